@@ -1,0 +1,71 @@
+"""Chat templates rendered the way Hugging Face ``transformers`` renders them.
+
+Source of the environment settings: ``transformers.utils.chat_template_utils._compile_jinja_template``
+(an ``ImmutableSandboxedEnvironment`` with ``trim_blocks``, ``lstrip_blocks``, the ``loopcontrols``
+extension, a ``tojson`` filter that keeps non-ASCII text, and the globals ``raise_exception`` and
+``strftime_now``).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The chat template failed to compile or render (including its own ``raise_exception``)."""
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"chat template does not compile: {e}") from None
+
+
+def render_chat_template(
+    source: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    **extra,
+) -> str:
+    """Render ``messages`` (a list of ``{"role", "content"}`` dicts) with a jinja2 chat template.
+
+    Returns the prompt text, special tokens written out as text.
+
+    Raises:
+        ChatTemplateError: the template does not compile, or rendering failed (for example the
+            template called ``raise_exception`` on an unsupported role order).
+    """
+    template = _compile(source)
+    try:
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **extra,
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"chat template failed: {e}") from None

@@ -1,0 +1,64 @@
+"""Command line: ``pipeline run JOB``, ``pipeline validate JOB``. Each command parses and calls a plain function."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from .chat_template import ChatTemplateError
+from .gguf import GGUFError
+from .inputs import InputError, read_rows
+from .jobspec import JobSpecError, load_job
+from .models.base import ConfigError
+from .resolve import ModelResolveError
+from .shards import OutputError
+from .tokenizer import TokenizerError
+
+USER_ERRORS = (JobSpecError, InputError, OutputError, ModelResolveError, GGUFError, TokenizerError, ConfigError,
+               ChatTemplateError)
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+
+
+def _fail(e: Exception):
+    click.echo(f"error: {e}", err=True)
+    sys.exit(1)
+
+
+@click.group()
+@click.version_option(package_name="pipeline")
+def main():
+    """Batch offline text generation on MLX."""
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--output-dir", help="Write here instead of the job's output.dir.")
+@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N input rows.")
+@click.option("--force", is_flag=True, help="Resume even if the job's settings or model changed.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def run(job_file, output_dir, limit, force, no_progress):
+    """Run JOB_FILE, or resume it where an earlier run stopped."""
+    from .runner import run_job
+
+    try:
+        job = load_job(job_file)
+        summary = run_job(job, output_dir=output_dir, limit=limit, force=force, progress=not no_progress,
+                          echo=click.echo)
+    except USER_ERRORS as e:
+        _fail(e)
+    click.echo(summary.line())
+    if summary.interrupted:
+        sys.exit(EXIT_CODES[summary.interrupted])
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+def validate(job_file):
+    """Check JOB_FILE and its input without loading the model."""
+    try:
+        job = load_job(job_file)
+        rows, _ = read_rows(job.input)
+    except USER_ERRORS as e:
+        _fail(e)
+    click.echo(f"ok: {job_file}: {len(rows)} input rows, model {job.model}, output {job.output.dir}")

@@ -1,0 +1,125 @@
+"""Read a GGUF file into a HF-style config dict, HF-named MLX weights and a tokenizer.
+
+GGUF key and tensor names: ggml's gguf-py (``gguf/constants.py``, ``gguf/tensor_mapping.py``).
+Tensors are read by ``mx.load``, which returns Q4_0/Q4_1/Q8_0 tensors as MLX affine-quantized
+``(weight, scales, biases)`` triples with group size 32.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from .tokenizer import Tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
+_TOP_RE = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
+
+
+class GGUFError(ValueError):
+    """The GGUF file cannot be read or describes something unsupported."""
+
+
+@dataclass
+class GGUFModel:
+    """What a GGUF file holds, in Hugging Face terms.
+
+    Attributes:
+        config: HF ``config.json``-style dict (``model_type``, ``hidden_size``, ...).
+        weights: HF-named tensors; quantized ones as ``.weight`` (uint32) + ``.scales`` + ``.biases``.
+        tokenizer: the tokenizer from ``tokenizer.ggml.*`` metadata.
+        metadata: the raw GGUF metadata.
+    """
+
+    config: dict
+    weights: dict[str, mx.array]
+    tokenizer: Tokenizer
+    metadata: dict
+
+
+def _scalar(v):
+    return v.item() if hasattr(v, "item") else v
+
+
+def read_gguf(path: str | Path) -> GGUFModel:
+    """Read a GGUF llama-architecture model.
+
+    Raises:
+        GGUFError: unreadable file, unsupported architecture or tensor type, unknown tensor names.
+        TokenizerError: unsupported tokenizer.
+    """
+    path = Path(path)
+    try:
+        tensors, md = mx.load(str(path), return_metadata=True)
+    except Exception as e:  # mx.load raises RuntimeError/ValueError with the reason
+        raise GGUFError(f"cannot read GGUF file {path}: {e}") from None
+    arch = md.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def get(key, default=None, required=True):
+        v = md.get(f"{arch}.{key}")
+        if v is None:
+            if required and default is None:
+                raise GGUFError(f"{path}: GGUF metadata lacks {arch}.{key}")
+            return default
+        return _scalar(v)
+
+    n_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tok = Tokenizer.from_gguf_metadata(md)
+    vocab_size = get("vocab_size", required=False) or len(md["tokenizer.ggml.tokens"])
+    head_dim = int(get("attention.key_length", required=False) or get("rope.dimension_count", required=False) or hidden // n_heads)
+    config = {
+        "model_type": arch,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "vocab_size": int(vocab_size),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        # GGUF llama Q/K rows are permuted for llama.cpp's interleaved RoPE
+        # (convert_hf_to_gguf.py, LlamaModel.permute), so RoPE must be the traditional one.
+        "rope_traditional": True,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": list(tok.eos_token_ids),
+    }
+    if get("rope.scaling.type", required=False) not in (None, "none"):
+        raise GGUFError(f"{path}: RoPE scaling {get('rope.scaling.type')!r} is not supported for GGUF models")
+
+    weights = {}
+    for name, value in tensors.items():
+        if name == "rope_freqs.weight":
+            raise GGUFError(f"{path}: GGUF rope_freqs (llama3 RoPE scaling) is not supported")
+        m = _LAYER_RE.match(name)
+        if m and m.group(2) in _LAYER_TENSORS:
+            weights[f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"] = value
+            continue
+        m = _TOP_RE.match(name)
+        if m and m.group(1) in _TOP_TENSORS:
+            weights[f"{_TOP_TENSORS[m.group(1)]}.{m.group(2)}"] = value
+            continue
+        raise GGUFError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
+    return GGUFModel(config=config, weights=weights, tokenizer=tok, metadata=md)

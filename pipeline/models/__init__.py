@@ -1,0 +1,85 @@
+"""Model families, one module per HF ``model_type``, and the code that builds one from weights."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import llama
+from .base import ConfigError
+
+# HF model_type -> family module (each has ModelArgs and Model).
+FAMILIES = {"llama": llama, "mistral": llama}
+
+
+def build_model(config: dict, weights: dict[str, mx.array], dtype: mx.Dtype = mx.float32) -> nn.Module:
+    """Instantiate the family named by ``config["model_type"]`` and load ``weights`` into it.
+
+    Quantized tensors (a ``name.weight`` with ``name.scales`` and ``name.biases``) stay quantized with
+    MLX affine quantization; the bits and group size are read off each tensor's shapes, so layers may
+    differ (GGUF files mix 4-bit layers with an 8-bit embedding). Floating-point tensors, including
+    quantization scales and biases, are cast to ``dtype``.
+
+    Raises:
+        ConfigError: unknown ``model_type`` or a config lacking required keys.
+        ValueError: weights that do not match the model (missing or unexpected names, wrong shapes).
+    """
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConfigError(f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})")
+    family = FAMILIES[model_type]
+    model = family.Model(family.ModelArgs.from_dict(config))
+    weights = model.sanitize(weights)
+
+    def quant_params(path: str, module: nn.Module):
+        scales = weights.get(f"{path}.scales")
+        if scales is None or not hasattr(module, "to_quantized"):
+            return False
+        w = weights[f"{path}.weight"]
+        in_features = module.weight.shape[-1]
+        group_size = in_features // scales.shape[-1]
+        bits = w.shape[-1] * 32 // in_features
+        return {"group_size": group_size, "bits": bits}
+
+    nn.quantize(model, class_predicate=quant_params)
+    weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def dequantize_model(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Replace every quantized Linear/Embedding of ``model`` in place by a plain one of ``dtype``
+    holding the same values (``scale * q + bias``), after mlx-lm's ``mlx_lm.utils.dequantize_model``.
+    More memory, but on the CPU a float32 BLAS GEMV/GEMM beats MLX's quantized kernels
+    (see ``pipeline._blas``)."""
+    replaced = []
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(dtype)
+            if isinstance(m, nn.QuantizedLinear):
+                out_dims, in_dims = w.shape
+                new = nn.Linear(in_dims, out_dims, bias="bias" in m)
+                if "bias" in m:
+                    new.bias = m.bias
+            else:
+                new = nn.Embedding(*w.shape)
+            new.weight = w
+            replaced.append((path, new))
+    if replaced:
+        model.update_modules(tree_unflatten(replaced))
+        mx.eval(model.parameters())
+
+
+def dequantized_nbytes(model: nn.Module, dtype: mx.Dtype) -> int:
+    """Bytes the model's weights would take with every quantized layer expanded to ``dtype``."""
+    n = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            n += m.weight.shape[0] * m.scales.shape[-1] * m.group_size
+    quantized = {id(a) for _, m in model.named_modules()
+                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for a in (m.weight, m.scales, m.biases)}
+    n += sum(v.size for _, v in tree_flatten(model.parameters()) if id(v) not in quantized)
+    return n * dtype.size

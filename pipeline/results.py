@@ -1,0 +1,75 @@
+"""One result row per (input row, sample); its fields are the output Parquet columns, 1:1."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+
+@dataclass
+class Result:
+    """One generated row.
+
+    Attributes:
+        id: the input row's id.
+        sample_index: 0..n-1 for the samples of one row.
+        prompt: the user text (last user turn of a conversation).
+        completion: generated text (None when the row failed).
+        finish_reason: "stop" (EOS) or "length" (max_tokens / context); None when the row failed.
+        prompt_tokens: prompt length in tokens.
+        completion_tokens: generated tokens (EOS excluded).
+        ttft_s: seconds from the start of prefill to the first generated token.
+        prefill_tps: prompt tokens per second.
+        decode_tps: generated tokens per second after the first token (tokens/s).
+        total_s: seconds for the row, prompt building and detokenization included.
+        peak_memory_bytes: MLX peak memory while generating the row, in bytes.
+        seed: the row's sampling seed (derived from the job seed, id and sample index).
+        error: why the row failed, or None.
+    """
+
+    id: int | str
+    sample_index: int
+    prompt: str | None
+    completion: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    ttft_s: float | None
+    prefill_tps: float | None
+    decode_tps: float | None
+    total_s: float | None
+    peak_memory_bytes: int | None
+    seed: int
+    error: str | None
+
+
+_TYPES = {
+    "sample_index": pa.int32(),
+    "prompt": pa.string(),
+    "completion": pa.string(),
+    "finish_reason": pa.string(),
+    "prompt_tokens": pa.int32(),
+    "completion_tokens": pa.int32(),
+    "ttft_s": pa.float64(),
+    "prefill_tps": pa.float64(),
+    "decode_tps": pa.float64(),
+    "total_s": pa.float64(),
+    "peak_memory_bytes": pa.int64(),
+    "seed": pa.int64(),
+    "error": pa.string(),
+}
+_NOT_NULL = {"id", "sample_index", "seed"}
+
+
+def result_schema(id_type: pa.DataType) -> pa.Schema:
+    """The output schema; ``id_type`` (int64 or string) follows the input's id column."""
+    types = {"id": id_type, **_TYPES}
+    return pa.schema(
+        [pa.field(f.name, types[f.name], nullable=f.name not in _NOT_NULL) for f in dataclasses.fields(Result)]
+    )
+
+
+def results_table(results: list[Result], schema: pa.Schema) -> pa.Table:
+    return pa.Table.from_pylist([dataclasses.asdict(r) for r in results], schema=schema)

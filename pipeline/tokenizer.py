@@ -1,0 +1,214 @@
+"""Tokenizer: a Hugging Face ``tokenizers.Tokenizer`` plus the model's special tokens and chat template.
+
+Built from GGUF metadata (``tokenizer.ggml.*``) so that token ids match llama.cpp's tokenizer for the
+same file (checked against llama.cpp reference ids in ``tests/fixtures``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from .chat_template import render_chat_template
+
+# llama.cpp token types (llama.cpp: `enum llama_token_type` / gguf-py `TokenType`).
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
+
+# Pre-tokenizer regexes, from llama.cpp `llama_vocab::impl::load` (llama-vocab.cpp) and the matching
+# `pre_tokenizer` sections of the models' Hugging Face tokenizer.json files.
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _split_then_bytes(regex: str):
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _digits_then_gpt2():
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+
+
+# GGUF `tokenizer.ggml.pre` value -> (HF pre-tokenizer factory, BPE ignore_merges).
+_PRE_TOKENIZERS = {
+    "gpt2": (lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False),
+    "smollm": (_digits_then_gpt2, False),
+    "starcoder": (_digits_then_gpt2, False),
+    "refact": (_digits_then_gpt2, False),
+    "llama-bpe": (lambda: _split_then_bytes(_LLAMA3_REGEX), True),
+    "qwen2": (lambda: _split_then_bytes(_QWEN2_REGEX), False),
+}
+
+
+class TokenizerError(ValueError):
+    """The tokenizer described by the model files is missing or not supported."""
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens and chat template of one model.
+
+    Attributes:
+        bos_token_id: id of the beginning-of-sequence token, or None.
+        eos_token_ids: every id that ends a generation (a sorted tuple of ints).
+        add_bos_token: whether a BOS token is prepended to prompts (the model's own setting).
+        chat_template: jinja2 source of the chat template, or None.
+    """
+
+    def __init__(
+        self,
+        hf: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos_token: bool,
+        chat_template: str | None,
+    ):
+        self._hf = hf
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str:
+        return "" if self.bos_token_id is None else self._hf.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str:
+        return self._hf.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+
+    def encode(self, text: str, *, parse_special: bool = False, add_bos: bool = False) -> list[int]:
+        """Token ids of ``text``.
+
+        Args:
+            text: the text to encode.
+            parse_special: when True, special-token strings in ``text`` (such as ``<|im_start|>``)
+                become their ids; when False they are encoded as ordinary text.
+            add_bos: prepend the BOS id unless ``text`` already starts with it.
+
+        Returns:
+            A list of int token ids.
+        """
+        self._hf.encode_special_tokens = not parse_special
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of ``ids`` (byte-level tokens joined before UTF-8 decoding)."""
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's chat template; returns the prompt text.
+
+        Raises:
+            TokenizerError: the model has no chat template.
+            ChatTemplateError: the template rejected the messages.
+        """
+        if not self.chat_template:
+            raise TokenizerError("the model has no chat template (set input.apply_chat_template: false)")
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, md: dict) -> Tokenizer:
+        """Build the tokenizer described by GGUF metadata (``tokenizer.ggml.*`` keys).
+
+        Supports ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE) with the pre-tokenizers listed
+        in ``_PRE_TOKENIZERS``.
+
+        Raises:
+            TokenizerError: another tokenizer model or pre-tokenizer, or missing keys.
+        """
+        kind = md.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise TokenizerError(f"unsupported GGUF tokenizer.ggml.model {kind!r} (supported: 'gpt2' byte-level BPE)")
+        pre = md.get("tokenizer.ggml.pre", "gpt2")
+        if pre not in _PRE_TOKENIZERS:
+            raise TokenizerError(
+                f"unsupported GGUF tokenizer.ggml.pre {pre!r} (supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+            )
+        try:
+            tokens = md["tokenizer.ggml.tokens"]
+            merges = md["tokenizer.ggml.merges"]
+        except KeyError as e:
+            raise TokenizerError(f"GGUF metadata lacks {e.args[0]}") from None
+        types = _as_list(md.get("tokenizer.ggml.token_type")) or [_TOKEN_NORMAL] * len(tokens)
+
+        make_pre, ignore_merges = _PRE_TOKENIZERS[pre]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        bpe = models.BPE(
+            vocab=vocab,
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            ignore_merges=ignore_merges,
+            byte_fallback=False,
+            fuse_unk=False,
+        )
+        hf = HFTokenizer(bpe)
+        hf.pre_tokenizer = make_pre()
+        hf.decoder = decoders.ByteLevel()
+        # llama.cpp parses CONTROL tokens only when asked to (parse_special) and USER_DEFINED tokens
+        # always (llama-vocab.cpp, tokenizer_st_partition); HF's special/non-special added tokens match.
+        hf.add_special_tokens(
+            [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _TOKEN_CONTROL]
+        )
+        hf.add_tokens(
+            [
+                AddedToken(tokens[i], special=False, normalized=False)
+                for i, t in enumerate(types)
+                if t == _TOKEN_USER_DEFINED
+            ]
+        )
+
+        def _int(key):
+            v = md.get(key)
+            return None if v is None else int(_scalar(v))
+
+        bos = _int("tokenizer.ggml.bos_token_id")
+        eos = _int("tokenizer.ggml.eos_token_id")
+        eot = _int("tokenizer.ggml.eot_token_id")
+        add_bos = md.get("tokenizer.ggml.add_bos_token")
+        return cls(
+            hf,
+            bos_token_id=bos,
+            eos_token_ids=[i for i in (eos, eot) if i is not None],
+            add_bos_token=bool(_scalar(add_bos)) if add_bos is not None else False,
+            chat_template=md.get("tokenizer.chat_template"),
+        )
+
+
+def _scalar(v):
+    return v.item() if hasattr(v, "item") else v
+
+
+def _as_list(v):
+    if v is None:
+        return None
+    return v.tolist() if hasattr(v, "tolist") else list(v)
