@@ -101,9 +101,11 @@ class Engine:
         read back, so the host builds the next graph while the device computes.
 
         Raises:
-            ValueError: empty prompt, or a prompt that fills the model's context.
+            ValueError: max_tokens < 1, an empty prompt, or a prompt that fills the model's context.
         """
         n_prompt = len(prompt_ids)
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
         if n_prompt == 0:
             raise ValueError("prompt has no tokens")
         if n_prompt >= self.context_length:

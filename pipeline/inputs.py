@@ -75,7 +75,7 @@ def _is_messages(t: pa.DataType) -> bool:
 def read_table(spec: InputSpec, limit: int | None = None) -> pa.Table:
     """The input as one table of only the needed columns, first ``limit`` rows (if given)."""
     files = input_files(spec.path)
-    columns = [c for c in (spec.id_column, spec.prompt_column, spec.messages_column) if c]
+    columns = list(dict.fromkeys(c for c in (spec.id_column, spec.prompt_column, spec.messages_column) if c))
     tables = []
     n = 0
     for f in files:

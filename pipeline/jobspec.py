@@ -75,8 +75,8 @@ class GenerationSpec:
     def check(self):
         if self.max_tokens < 1:
             raise JobSpecError(f"generation.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise JobSpecError(f"generation.temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise JobSpecError(f"generation.temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 <= self.seed < 2**63:
             raise JobSpecError(f"generation.seed must be in [0, 2**63), got {self.seed}")
 

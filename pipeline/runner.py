@@ -23,6 +23,7 @@ from .resolve import resolve_model
 from .results import Result, result_schema, results_table
 from .sampler import row_seed
 from .shards import ShardStore
+from .tokenizer import TokenizerError
 
 
 class Terminated(BaseException):
@@ -164,6 +165,8 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
 
     lm = load_model(job.model, dtype=job.engine.dtype, dequantize=job.engine.dequantize,
                     prefill_step_size=job.engine.prefill_step_size, path=path)
+    if job.input.apply_chat_template and not lm.tokenizer.chat_template:
+        raise TokenizerError(f"model {job.model!r} has no chat template; set input.apply_chat_template: false")
     schema = result_schema(id_type)
     buffer: list[Result] = []
 

@@ -1,0 +1,28 @@
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def llamacpp_cases():
+    """llama.cpp reference cases for the default model (provenance: tests/fixtures/README.md)."""
+    return json.loads((FIXTURES / "llamacpp_smollm2.json").read_text(encoding="utf-8"))["cases"]
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The real default model file, fetched into $PIPELINE_HOME on first use."""
+    from pipeline.resolve import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    from pipeline import load_model
+
+    return load_model(path=default_model_path)

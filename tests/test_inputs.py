@@ -1,0 +1,236 @@
+"""Reading input rows from Parquet: pipeline.inputs.read_rows."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.inputs import InputError, InputRow, read_rows
+from pipeline.jobspec import InputSpec
+
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
+def write(path, columns: dict, schema: pa.Schema | None = None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns, schema=schema), path)
+    return path
+
+
+def test_single_file(tmp_path):
+    f = write(tmp_path / "in.parquet", {"prompt": ["a", "b", "c"]})
+    rows, id_type = read_rows(InputSpec(path=str(f)))
+    assert rows == [
+        InputRow(index=0, id=0, prompt="a", messages=None),
+        InputRow(index=1, id=1, prompt="b", messages=None),
+        InputRow(index=2, id=2, prompt="c", messages=None),
+    ]
+    assert id_type == pa.int64()
+
+
+def test_directory_of_files_in_sorted_path_order(tmp_path):
+    d = tmp_path / "data"
+    # Written in reverse order so that creation order differs from sorted order.
+    write(d / "b.parquet", {"prompt": ["b0", "b1"]})
+    write(d / "a.parquet", {"prompt": ["a0", "a1", "a2"]})
+    (d / "notes.txt").write_text("not parquet")
+    rows, _ = read_rows(InputSpec(path=str(d)))
+    assert [r.prompt for r in rows] == ["a0", "a1", "a2", "b0", "b1"]
+    assert [r.index for r in rows] == [0, 1, 2, 3, 4]
+    assert [r.id for r in rows] == [0, 1, 2, 3, 4]
+
+
+def test_directory_is_searched_recursively(tmp_path):
+    d = tmp_path / "data"
+    write(d / "a.parquet", {"prompt": ["a0"]})
+    write(d / "sub" / "b.parquet", {"prompt": ["b0"]})
+    rows, _ = read_rows(InputSpec(path=str(d)))
+    assert [r.prompt for r in rows] == ["a0", "b0"]
+
+
+def test_glob(tmp_path):
+    write(tmp_path / "part-2.parquet", {"prompt": ["p2"]})
+    write(tmp_path / "part-1.parquet", {"prompt": ["p1"]})
+    write(tmp_path / "other.parquet", {"prompt": ["other"]})
+    rows, _ = read_rows(InputSpec(path=str(tmp_path / "part-*.parquet")))
+    assert [r.prompt for r in rows] == ["p1", "p2"]
+
+
+def test_limit_from_spec_and_argument(tmp_path):
+    d = tmp_path / "data"
+    write(d / "a.parquet", {"prompt": ["a0", "a1", "a2"]})
+    write(d / "b.parquet", {"prompt": ["b0", "b1", "b2"]})
+    rows, _ = read_rows(InputSpec(path=str(d), limit=4))
+    assert [r.prompt for r in rows] == ["a0", "a1", "a2", "b0"]
+    rows, _ = read_rows(InputSpec(path=str(d), limit=4), limit=2)
+    assert [r.prompt for r in rows] == ["a0", "a1"]
+    rows, _ = read_rows(InputSpec(path=str(d)), limit=100)
+    assert len(rows) == 6
+
+
+def test_limit_applies_before_duplicate_check(tmp_path):
+    f = write(tmp_path / "in.parquet", {"id": [1, 2, 1], "prompt": ["a", "b", "c"]})
+    rows, _ = read_rows(InputSpec(path=str(f), id_column="id"), limit=2)
+    assert [r.id for r in rows] == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["missing.parquet", "missing_dir", "nomatch-*.parquet"])
+def test_missing_path(tmp_path, name):
+    with pytest.raises(InputError, match="no Parquet files found"):
+        read_rows(InputSpec(path=str(tmp_path / name)))
+
+
+def test_not_parquet(tmp_path):
+    f = tmp_path / "junk.parquet"
+    f.write_bytes(b"this is not parquet")
+    with pytest.raises(InputError, match="not readable as Parquet"):
+        read_rows(InputSpec(path=str(f)))
+
+
+@pytest.mark.parametrize(
+    "spec_kwargs, column, key",
+    [
+        ({"prompt_column": "text"}, "text", "input.prompt_column"),
+        ({"id_column": "uid"}, "uid", "input.id_column"),
+        ({"messages_column": "conv"}, "conv", "input.messages_column"),
+    ],
+)
+def test_missing_column_names_column_and_key(tmp_path, spec_kwargs, column, key):
+    f = write(tmp_path / "in.parquet", {"prompt": ["a"]})
+    with pytest.raises(InputError) as ei:
+        read_rows(InputSpec(path=str(f), **spec_kwargs))
+    msg = str(ei.value)
+    assert key in msg
+    assert repr(column) in msg
+    assert "not found" in msg
+
+
+def test_missing_column_in_second_file(tmp_path):
+    d = tmp_path / "data"
+    write(d / "a.parquet", {"prompt": ["a0"]})
+    write(d / "b.parquet", {"text": ["b0"]})
+    with pytest.raises(InputError) as ei:
+        read_rows(InputSpec(path=str(d)))
+    msg = str(ei.value)
+    assert "input.prompt_column" in msg and "'prompt'" in msg and "b.parquet" in msg
+
+
+def test_wrong_prompt_column_type(tmp_path):
+    f = write(tmp_path / "in.parquet", {"prompt": [1, 2]})
+    with pytest.raises(InputError) as ei:
+        read_rows(InputSpec(path=str(f)))
+    msg = str(ei.value)
+    assert "input.prompt_column" in msg and "'prompt'" in msg
+    assert "int64" in msg and "expected string" in msg
+
+
+def test_wrong_id_column_type(tmp_path):
+    f = write(tmp_path / "in.parquet", {"id": [0.5, 1.5], "prompt": ["a", "b"]})
+    with pytest.raises(InputError, match=r"input\.id_column.*double.*integer or string"):
+        read_rows(InputSpec(path=str(f), id_column="id"))
+
+
+def test_wrong_messages_column_type(tmp_path):
+    f = write(tmp_path / "in.parquet", {"prompt": ["a"], "messages": [["hi"]]})
+    with pytest.raises(InputError, match=r"input\.messages_column.*'messages'"):
+        read_rows(InputSpec(path=str(f), messages_column="messages"))
+
+
+def test_duplicate_int_ids_are_named(tmp_path):
+    f = write(tmp_path / "in.parquet", {"id": [10, 11, 10, 12, 12, 12], "prompt": list("abcdef")})
+    with pytest.raises(InputError) as ei:
+        read_rows(InputSpec(path=str(f), id_column="id"))
+    msg = str(ei.value)
+    assert "input.id_column 'id'" in msg
+    assert "duplicate ids 10, 12" in msg
+    assert "11" not in msg
+
+
+def test_duplicate_string_ids_across_files_are_named(tmp_path):
+    d = tmp_path / "data"
+    write(d / "a.parquet", {"id": ["x", "y"], "prompt": ["a", "b"]})
+    write(d / "b.parquet", {"id": ["z", "x"], "prompt": ["c", "d"]})
+    with pytest.raises(InputError) as ei:
+        read_rows(InputSpec(path=str(d), id_column="id"))
+    msg = str(ei.value)
+    assert "duplicate ids 'x'" in msg
+    assert "'y'" not in msg and "'z'" not in msg
+
+
+def test_null_id_is_an_error(tmp_path):
+    f = write(tmp_path / "in.parquet", {"id": ["a", None, "c"], "prompt": ["1", "2", "3"]})
+    with pytest.raises(InputError) as ei:
+        read_rows(InputSpec(path=str(f), id_column="id"))
+    msg = str(ei.value)
+    assert "null id" in msg and "row(s) 1" in msg
+
+
+def test_without_id_column_ids_are_row_indexes(tmp_path):
+    f = write(tmp_path / "in.parquet", {"id": ["x", "y"], "prompt": ["a", "b"]})
+    rows, id_type = read_rows(InputSpec(path=str(f)))
+    assert [r.id for r in rows] == [0, 1]
+    assert [r.index for r in rows] == [0, 1]
+    assert id_type == pa.int64()
+
+
+def test_int_id_column(tmp_path):
+    schema = pa.schema([("id", pa.int32()), ("prompt", pa.string())])
+    f = write(tmp_path / "in.parquet", {"id": [7, 3, 5], "prompt": ["a", "b", "c"]}, schema=schema)
+    rows, id_type = read_rows(InputSpec(path=str(f), id_column="id"))
+    assert [r.id for r in rows] == [7, 3, 5]
+    assert [r.index for r in rows] == [0, 1, 2]
+    assert id_type == pa.int64()
+
+
+def test_string_id_column(tmp_path):
+    f = write(tmp_path / "in.parquet", {"id": ["q1", "q2"], "prompt": ["a", "b"]})
+    rows, id_type = read_rows(InputSpec(path=str(f), id_column="id"))
+    assert [r.id for r in rows] == ["q1", "q2"]
+    assert id_type == pa.string()
+
+
+def test_messages_column_reads_into_dicts(tmp_path):
+    conv = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    f = write(
+        tmp_path / "in.parquet",
+        {"prompt": ["p0", None], "messages": [None, conv]},
+        schema=pa.schema([("prompt", pa.string()), ("messages", MESSAGES_TYPE)]),
+    )
+    rows, _ = read_rows(InputSpec(path=str(f), messages_column="messages"))
+    assert rows[0].prompt == "p0" and rows[0].messages is None
+    assert rows[1].prompt is None
+    assert rows[1].messages == conv
+    assert all(isinstance(m, dict) for m in rows[1].messages)
+
+
+def test_messages_only_input(tmp_path):
+    conv = [{"role": "user", "content": "hello"}]
+    f = write(tmp_path / "in.parquet", {"messages": [conv]}, schema=pa.schema([("messages", MESSAGES_TYPE)]))
+    rows, _ = read_rows(InputSpec(path=str(f), prompt_column=None, messages_column="messages"))
+    assert rows == [InputRow(index=0, id=0, prompt=None, messages=conv)]
+
+
+def test_null_prompt_is_passed_through(tmp_path):
+    # A null prompt is a per-row problem (prompts.build_prompt), not an input error.
+    f = write(tmp_path / "in.parquet", {"prompt": ["a", None]})
+    rows, _ = read_rows(InputSpec(path=str(f)))
+    assert [r.prompt for r in rows] == ["a", None]
+
+
+def test_incompatible_schemas_across_files(tmp_path):
+    d = tmp_path / "data"
+    write(d / "a.parquet", {"id": [1], "prompt": ["a"]})
+    write(d / "b.parquet", {"id": [[1, 2]], "prompt": ["b"]})
+    with pytest.raises(InputError, match="incompatible schemas"):
+        read_rows(InputSpec(path=str(d), id_column="id"))
+
+
+def test_id_column_may_double_as_prompt_column(tmp_path):
+    path = tmp_path / "same.parquet"
+    pq.write_table(pa.table({"text": ["a", "b"]}), path)
+    rows, id_type = read_rows(InputSpec(path=str(path), id_column="text", prompt_column="text"))
+    assert [(r.id, r.prompt) for r in rows] == [("a", "a"), ("b", "b")] and id_type == pa.string()

@@ -1,0 +1,265 @@
+"""Job file validation: pipeline.jobspec.job_from_dict / load_job and `pipeline validate`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.jobspec import (
+    EngineSpec,
+    GenerationSpec,
+    InputSpec,
+    JobSpec,
+    JobSpecError,
+    OutputSpec,
+    job_from_dict,
+    load_job,
+)
+from pipeline.resolve import DEFAULT_MODEL
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def minimal(**overrides) -> dict:
+    data = {"input": {"path": "in.parquet"}, "output": {"dir": "out"}}
+    for key, value in overrides.items():
+        data[key] = value
+    return data
+
+
+def test_minimal_job_gets_defaults():
+    job = job_from_dict(minimal())
+    assert isinstance(job, JobSpec)
+    assert job.model == DEFAULT_MODEL
+    assert job.input == InputSpec(path="in.parquet")
+    assert job.input.prompt_column == "prompt"
+    assert job.input.id_column is None
+    assert job.input.messages_column is None
+    assert job.input.system_prompt is None
+    assert job.input.apply_chat_template is True
+    assert job.input.limit is None
+    assert job.output == OutputSpec(dir="out", shard_size=16)
+    assert job.generation == GenerationSpec()
+    assert (job.generation.max_tokens, job.generation.temperature, job.generation.seed) == (128, 0.0, 0)
+    assert job.generation.ignore_eos is False
+    assert job.engine == EngineSpec()
+    assert (job.engine.dtype, job.engine.dequantize, job.engine.prefill_step_size) == ("auto", "auto", 512)
+
+
+def test_int_is_accepted_for_float_and_converted():
+    job = job_from_dict(minimal(generation={"temperature": 1}))
+    assert job.generation.temperature == 1.0
+    assert isinstance(job.generation.temperature, float)
+
+
+def test_to_dict_round_trips():
+    job = job_from_dict(minimal(generation={"max_tokens": 7, "seed": 3}, engine={"dequantize": False}))
+    assert job_from_dict(job.to_dict()) == job
+
+
+@pytest.mark.parametrize(
+    "data, path, suggestion",
+    [
+        (minimal(generation={"temprature": 0.5}), "generation.temprature", "temperature"),
+        (minimal(input={"path": "x", "prompt_colum": "p"}), "input.prompt_colum", "prompt_column"),
+        (minimal(engine={"dtyp": "float32"}), "engine.dtyp", "dtype"),
+        (minimal(modle="x"), "modle", "model"),
+    ],
+)
+def test_unknown_key_names_path_and_suggests(data, path, suggestion):
+    with pytest.raises(JobSpecError) as ei:
+        job_from_dict(data)
+    msg = str(ei.value)
+    assert repr(path) in msg
+    assert f"did you mean {suggestion!r}" in msg
+
+
+def test_unknown_key_without_close_match_lists_known_keys():
+    with pytest.raises(JobSpecError) as ei:
+        job_from_dict(minimal(output={"dir": "o", "zzzzzz": 1}))
+    msg = str(ei.value)
+    assert "'output.zzzzzz'" in msg
+    assert "known:" in msg and "shard_size" in msg
+
+
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        (minimal(generation={"max_tokens": "10"}), "generation.max_tokens"),
+        (minimal(generation={"max_tokens": True}), "generation.max_tokens"),
+        (minimal(generation={"seed": 1.5}), "generation.seed"),
+        (minimal(generation={"temperature": "hot"}), "generation.temperature"),
+        (minimal(generation={"temperature": True}), "generation.temperature"),
+        (minimal(generation={"ignore_eos": "yes"}), "generation.ignore_eos"),
+        (minimal(output={"dir": "o", "shard_size": "4"}), "output.shard_size"),
+        (minimal(input={"path": "x", "limit": True}), "input.limit"),
+        (minimal(input={"path": 5}), "input.path"),
+        (minimal(model=3), "model"),
+        (minimal(engine={"dequantize": 1}), "engine.dequantize"),
+    ],
+)
+def test_wrong_type_names_the_key(data, key):
+    with pytest.raises(JobSpecError) as ei:
+        job_from_dict(data)
+    msg = str(ei.value)
+    assert key in msg
+    assert "must be" in msg
+
+
+def test_null_for_non_optional_key_is_an_error():
+    with pytest.raises(JobSpecError, match=r"generation\.max_tokens must be int, got NoneType"):
+        job_from_dict(minimal(generation={"max_tokens": None}))
+
+
+def test_null_for_optional_key_is_allowed():
+    job = job_from_dict(minimal(input={"path": "x", "system_prompt": None, "limit": None}))
+    assert job.input.system_prompt is None and job.input.limit is None
+
+
+def test_section_must_be_a_mapping():
+    with pytest.raises(JobSpecError, match="generation"):
+        job_from_dict(minimal(generation=[1, 2]))
+
+
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        (minimal(generation={"temperature": -0.1}), "generation.temperature"),
+        (minimal(generation={"temperature": float("nan")}), "generation.temperature"),
+        (minimal(generation={"temperature": float("inf")}), "generation.temperature"),
+        (minimal(generation={"max_tokens": 0}), "generation.max_tokens"),
+        (minimal(generation={"seed": -1}), "generation.seed"),
+        (minimal(generation={"seed": 2**63}), "generation.seed"),
+        (minimal(output={"dir": "o", "shard_size": 0}), "output.shard_size"),
+        (minimal(engine={"dequantize": "yes"}), "engine.dequantize"),
+        (minimal(engine={"dtype": "int8"}), "engine.dtype"),
+        (minimal(engine={"prefill_step_size": 0}), "engine.prefill_step_size"),
+        (minimal(input={"path": "x", "limit": 0}), "input.limit"),
+    ],
+)
+def test_out_of_range_values_name_the_key(data, key):
+    with pytest.raises(JobSpecError, match=key.replace(".", r"\.")):
+        job_from_dict(data)
+
+
+@pytest.mark.parametrize("value", [True, False, "auto"])
+def test_dequantize_accepts_bool_or_auto(value):
+    assert job_from_dict(minimal(engine={"dequantize": value})).engine.dequantize == value
+
+
+def test_input_needs_a_prompt_or_messages_column():
+    with pytest.raises(JobSpecError, match="prompt_column or messages_column"):
+        job_from_dict(minimal(input={"path": "x", "prompt_column": None}))
+
+
+def test_messages_column_needs_chat_template():
+    with pytest.raises(JobSpecError, match="apply_chat_template"):
+        job_from_dict(minimal(input={"path": "x", "messages_column": "m", "apply_chat_template": False}))
+
+
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"output": {"dir": "o"}}, "input"),
+        ({"input": {"path": "x"}}, "output"),
+        ({"input": {"path": "x"}, "output": {}}, "output.dir"),
+        ({"input": {}, "output": {"dir": "o"}}, "input.path"),
+    ],
+)
+def test_missing_required_key(data, key):
+    with pytest.raises(JobSpecError) as ei:
+        job_from_dict(data)
+    assert f"missing required key {key!r}" in str(ei.value)
+
+
+def test_load_job_reads_yaml(tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_text("input:\n  path: a.parquet\noutput:\n  dir: out\ngeneration:\n  max_tokens: 5\n")
+    job = load_job(f)
+    assert job.input.path == "a.parquet"
+    assert job.generation.max_tokens == 5
+
+
+def test_load_job_invalid_yaml_names_file(tmp_path):
+    f = tmp_path / "broken.yaml"
+    f.write_text("input: [unclosed\noutput:\n  dir: out\n")
+    with pytest.raises(JobSpecError) as ei:
+        load_job(f)
+    msg = str(ei.value)
+    assert str(f) in msg
+    assert "invalid YAML" in msg
+
+
+def test_load_job_invalid_job_names_file_and_key(tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_text("input:\n  path: a.parquet\noutput:\n  dir: out\ngeneration:\n  temprature: 0.5\n")
+    with pytest.raises(JobSpecError) as ei:
+        load_job(f)
+    msg = str(ei.value)
+    assert msg.startswith(f"{f}: ")
+    assert "'generation.temprature'" in msg and "'temperature'" in msg
+
+
+def test_load_job_missing_file(tmp_path):
+    f = tmp_path / "nope.yaml"
+    with pytest.raises(JobSpecError, match="cannot read job file"):
+        load_job(f)
+
+
+def test_load_job_empty_file_reports_missing_input(tmp_path):
+    f = tmp_path / "empty.yaml"
+    f.write_text("")
+    with pytest.raises(JobSpecError, match="missing required key 'input'"):
+        load_job(f)
+
+
+def test_load_job_top_level_not_mapping(tmp_path):
+    f = tmp_path / "list.yaml"
+    f.write_text("- 1\n- 2\n")
+    with pytest.raises(JobSpecError, match="must be a mapping"):
+        load_job(f)
+
+
+def test_repo_eval_job_loads():
+    job = load_job(REPO / "jobs" / "eval.yaml")
+    assert job.model == "smollm2-135m-instruct"
+    assert job.input.path == "data_samples/prompts.parquet"
+    assert job.input.id_column == "id"
+    assert job.input.messages_column == "messages"
+    assert job.input.system_prompt is None
+    assert job.generation.max_tokens == 128
+    assert job.generation.temperature == 0.0
+    assert job.output.dir == "runs/eval"
+    assert job.output.shard_size == 16
+
+
+def _pipeline_cli(*args) -> subprocess.CompletedProcess:
+    # The installed console script: next to this interpreter, else on PATH.
+    import shutil
+
+    exe = Path(sys.executable).with_name("pipeline")
+    exe = str(exe) if exe.is_file() else shutil.which("pipeline")
+    assert exe, "the `pipeline` console script is not installed"
+    cmd = [exe, *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_validate(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "input:\n  path: data_samples/prompts.parquet\noutput:\n  dir: runs/x\ngeneration:\n  temprature: 0.5\n"
+    )
+    proc = _pipeline_cli("validate", str(bad))
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    assert "generation.temprature" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+    proc = _pipeline_cli("validate", "jobs/eval.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok: jobs/eval.yaml: 32 input rows")

@@ -1,0 +1,184 @@
+"""Prompt building with the real default-model tokenizer: pipeline.prompts.build_prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.gguf import read_gguf
+from pipeline.inputs import InputRow
+from pipeline.jobspec import InputSpec
+from pipeline.prompts import Prompt, RowError, build_prompt
+from pipeline.resolve import resolve_model
+from pipeline.tokenizer import Tokenizer
+
+IM_START = 1  # <|im_start|> in SmolLM2's vocabulary (also its BOS token)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return read_gguf(resolve_model("smollm2-135m-instruct")).tokenizer
+
+
+@pytest.fixture(scope="module")
+def bos_tok(tok) -> Tokenizer:
+    """The same vocabulary, but a model that asks for a BOS token (id 1) on every prompt."""
+    return Tokenizer(tok._hf, bos_token_id=IM_START, eos_token_ids=tok.eos_token_ids, add_bos_token=True,
+                     chat_template=tok.chat_template)
+
+
+def row(prompt=None, messages=None, id=0) -> InputRow:
+    return InputRow(index=0, id=id, prompt=prompt, messages=messages)
+
+
+def template_ids(tok, messages):
+    return tok.encode(tok.apply_chat_template(messages), parse_special=True)
+
+
+def test_tokenizer_facts(tok):
+    # The assumptions the other tests rest on.
+    assert tok.add_bos_token is False
+    assert tok._hf.id_to_token(IM_START) == "<|im_start|>"
+    assert tok.chat_template
+
+
+def test_plain_prompt_gets_chat_template(tok):
+    p = build_prompt(row("What is 2+2?"), InputSpec(path="x"), tok)
+    assert isinstance(p, Prompt)
+    assert p.text == "What is 2+2?"
+    assert p.token_ids == template_ids(tok, [{"role": "user", "content": "What is 2+2?"}])
+    rendered = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    assert rendered.endswith("<|im_start|>assistant\n")
+    assert tok.decode(p.token_ids) == rendered
+    assert p.token_ids[0] == IM_START  # special tokens parsed
+
+
+def test_system_prompt_inserted_when_none(tok):
+    spec = InputSpec(path="x", system_prompt="Answer in French.")
+    p = build_prompt(row("Hello"), spec, tok)
+    expected = template_ids(tok, [{"role": "system", "content": "Answer in French."},
+                                  {"role": "user", "content": "Hello"}])
+    assert p.token_ids == expected
+    assert "Answer in French." in tok.decode(p.token_ids)
+    # The template's default system turn is replaced, not kept alongside.
+    assert "SmolLM" not in tok.decode(p.token_ids)
+
+
+def test_system_prompt_not_inserted_when_conversation_has_one(tok):
+    spec = InputSpec(path="x", messages_column="m", system_prompt="IGNORED")
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+    p = build_prompt(row(messages=messages), spec, tok)
+    assert p.token_ids == template_ids(tok, messages)
+    assert "IGNORED" not in tok.decode(p.token_ids)
+
+
+def test_system_prompt_inserted_into_conversation_without_one(tok):
+    spec = InputSpec(path="x", messages_column="m", system_prompt="Be terse.")
+    messages = [{"role": "user", "content": "Hi"}]
+    p = build_prompt(row(messages=messages), spec, tok)
+    assert p.token_ids == template_ids(tok, [{"role": "system", "content": "Be terse."}, *messages])
+    # The row's own list is not modified.
+    assert messages == [{"role": "user", "content": "Hi"}]
+
+
+def test_no_system_prompt_keeps_template_default(tok):
+    p = build_prompt(row("Hi"), InputSpec(path="x"), tok)
+    assert "SmolLM" in tok.decode(p.token_ids)
+
+
+def test_conversation_text_is_last_user_turn(tok):
+    messages = [
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "an answer"},
+        {"role": "user", "content": "second question"},
+    ]
+    p = build_prompt(row(prompt="ignored prompt", messages=messages), InputSpec(path="x", messages_column="m"), tok)
+    assert p.text == "second question"
+    assert p.token_ids == template_ids(tok, messages)
+
+
+def test_conversation_without_user_turn_has_no_text(tok):
+    messages = [{"role": "system", "content": "sys"}, {"role": "assistant", "content": "hello"}]
+    p = build_prompt(row(messages=messages), InputSpec(path="x", messages_column="m"), tok)
+    assert p.text is None
+
+
+def test_null_prompt(tok):
+    with pytest.raises(RowError, match="null"):
+        build_prompt(row(None), InputSpec(path="x"), tok)
+
+
+def test_empty_prompt(tok):
+    with pytest.raises(RowError, match="empty"):
+        build_prompt(row(""), InputSpec(path="x"), tok)
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([{"role": "user"}], r"messages\[0\]"),
+        ([{"role": "system", "content": "s"}, {"role": "user", "content": None}], r"messages\[1\]"),
+        ([{"content": "hi"}], r"messages\[0\]"),
+        (["just a string"], r"messages\[0\]"),
+        ([], "empty"),
+    ],
+)
+def test_malformed_messages(tok, messages, match):
+    with pytest.raises(RowError, match=match):
+        build_prompt(row(messages=messages), InputSpec(path="x", messages_column="m"), tok)
+
+
+def test_template_failure_is_row_error(tok):
+    raising = Tokenizer(tok._hf, bos_token_id=None, eos_token_ids=tok.eos_token_ids, add_bos_token=False,
+                        chat_template="{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(RowError, match="roles must alternate"):
+        build_prompt(row("hi"), InputSpec(path="x"), raising)
+
+
+def test_raw_prompt_does_not_parse_special_tokens(tok):
+    text = "<|im_start|>user\nhi"
+    p = build_prompt(row(text), InputSpec(path="x", apply_chat_template=False), tok)
+    assert p.text == text
+    assert IM_START not in p.token_ids
+    assert p.token_ids == tok.encode(text, parse_special=False)
+    assert tok.decode(p.token_ids) == text
+    # ... while the same text with parsing on does start with the special token.
+    assert tok.encode(text, parse_special=True)[0] == IM_START
+
+
+def test_raw_prompt_plain_text(tok):
+    p = build_prompt(row("The capital of France is"), InputSpec(path="x", apply_chat_template=False), tok)
+    assert p.token_ids == tok.encode("The capital of France is")
+    assert tok.decode(p.token_ids) == "The capital of France is"
+
+
+def test_encode_parse_special_setting_does_not_leak(tok):
+    text = "<|im_start|>"
+    assert tok.encode(text, parse_special=True) == [IM_START]
+    assert tok.encode(text) != [IM_START]
+    assert tok.encode(text, parse_special=True) == [IM_START]
+
+
+def test_bos_not_doubled_when_text_starts_with_it(bos_tok):
+    ids = bos_tok.encode("<|im_start|>user\nhi", parse_special=True, add_bos=True)
+    assert ids[0] == IM_START
+    assert ids.count(IM_START) == 1
+
+
+def test_bos_prepended_once_when_missing(bos_tok, tok):
+    ids = bos_tok.encode("hello world", parse_special=True, add_bos=True)
+    assert ids == [IM_START, *tok.encode("hello world")]
+    assert ids.count(IM_START) == 1
+
+
+def test_bos_not_added_without_add_bos(bos_tok, tok):
+    assert bos_tok.encode("hello world", parse_special=True) == tok.encode("hello world")
+
+
+def test_build_prompt_with_bos_model_never_doubles_bos(bos_tok, tok):
+    # The chat template output already starts with <|im_start|> (= BOS here): no second one.
+    p = build_prompt(row("Hi"), InputSpec(path="x"), bos_tok)
+    assert p.token_ids == template_ids(tok, [{"role": "user", "content": "Hi"}])
+    assert p.token_ids[:2] != [IM_START, IM_START]
+    # A raw prompt gets exactly one BOS prepended.
+    raw = build_prompt(row("Hi"), InputSpec(path="x", apply_chat_template=False), bos_tok)
+    assert raw.token_ids == [IM_START, *tok.encode("Hi")]
