@@ -47,6 +47,11 @@ class KVCache:
         self.values[..., prev : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
+    def make_mask(self, n: int):
+        """Attention mask for ``n`` new queries over the keys the next ``update_and_fetch`` returns:
+        None (one query sees every key) or "causal" (MLX's SDPA aligns it to the last ``n`` keys)."""
+        return "causal" if n > 1 else None
+
     def reset(self) -> None:
         self.offset = 0
 

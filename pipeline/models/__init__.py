@@ -28,6 +28,9 @@ def build_model(config: dict, weights: dict[str, mx.array], dtype: mx.Dtype = mx
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise ConfigError(f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})")
+    mode = (config.get("quantization") or {}).get("mode", "affine")
+    if mode != "affine":
+        raise ConfigError(f"unsupported quantization mode {mode!r} (supported: affine)")
     family = FAMILIES[model_type]
     model = family.Model(family.ModelArgs.from_dict(config))
     weights = model.sanitize(weights)

@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from .base import BaseModelArgs
+from .rope import make_rope
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
-        self.rope = nn.RoPE(self.head_dim, traditional=args.rope_traditional, base=args.rope_theta)
+        self.rope = make_rope(self.head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling)
 
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         B, L, _ = x.shape
@@ -60,8 +61,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=cache.offset)
         k = self.rope(k, offset=cache.offset)
+        mask = cache.make_mask(L)
         k, v = cache.update_and_fetch(k, v)
-        mask = "causal" if L > 1 else None
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
