@@ -7,10 +7,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import llama
+from . import qwen2
+from . import qwen3
 from .base import ConfigError
 
 # HF model_type -> family module (each has ModelArgs and Model).
-FAMILIES = {"llama": llama, "mistral": llama}
+FAMILIES = {"llama": llama, "mistral": llama, "qwen2": qwen2, "qwen3": qwen3}
 
 
 def build_model(config: dict, weights: dict[str, mx.array], dtype: mx.Dtype = mx.float32) -> nn.Module:
