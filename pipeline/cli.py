@@ -9,14 +9,15 @@ import click
 from .chat_template import ChatTemplateError
 from .gguf import GGUFError
 from .inputs import InputError, read_rows
+from .modeldir import ModelDirError
 from .jobspec import JobSpecError, load_job
 from .models.base import ConfigError
 from .resolve import ModelResolveError
 from .shards import OutputError
 from .tokenizer import TokenizerError
 
-USER_ERRORS = (JobSpecError, InputError, OutputError, ModelResolveError, GGUFError, TokenizerError, ConfigError,
-               ChatTemplateError)
+USER_ERRORS = (JobSpecError, InputError, OutputError, ModelResolveError, GGUFError, ModelDirError, TokenizerError,
+               ConfigError, ChatTemplateError)
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
@@ -62,3 +63,18 @@ def validate(job_file):
     except USER_ERRORS as e:
         _fail(e)
     click.echo(f"ok: {job_file}: {len(rows)} input rows, model {job.model}, output {job.output.dir}")
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True, dir_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False))
+@click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
+def convert(src, dst, overwrite):
+    """Write the GGUF llama model SRC as an MLX model directory DST."""
+    from .convert import convert_gguf
+
+    try:
+        out = convert_gguf(src, dst, overwrite=overwrite)
+    except (FileExistsError, *USER_ERRORS) as e:
+        _fail(e)
+    click.echo(f"wrote {out}")

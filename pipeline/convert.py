@@ -1,0 +1,98 @@
+"""``pipeline convert``: a GGUF llama model -> an MLX model directory (as ``mlx_lm.convert`` writes).
+
+Quantized tensors are kept as they are (MLX affine, group size 32, bits per tensor); Q/K rows are
+un-permuted so the standard (non-interleaved) RoPE applies, which makes the directory loadable by
+``mlx_lm.load`` and by ``pipeline`` alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .gguf import read_gguf
+
+
+def unpermute_rows(n_rows: int, n_heads: int) -> mx.array:
+    """Row order that undoes llama.cpp's Q/K permutation.
+
+    ``convert_hf_to_gguf.py`` (LlamaModel.permute) writes HF rows ``h, j, i`` (head, half, index) as
+    ``h, i, j``: ``w.reshape(n_heads, 2, hd // 2, ...).swapaxes(1, 2)``. Taking GGUF rows in this order
+    gives back the HF rows. Returns int32 indices ``(n_rows,)``.
+    """
+    head_dim = n_rows // n_heads
+    idx = np.arange(n_rows).reshape(n_heads, head_dim // 2, 2).swapaxes(1, 2).reshape(-1)
+    return mx.array(idx.astype(np.int32))
+
+
+def convert_gguf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the GGUF llama model ``src`` as an MLX model directory ``dst``.
+
+    Writes ``model.safetensors``, ``config.json`` (HF names, ``quantization`` with per-layer overrides
+    where a tensor's bits differ from the most common), ``tokenizer.json``, ``tokenizer_config.json``
+    (special tokens, ``add_bos_token``, the chat template) and ``generation_config.json``. The directory
+    appears complete or not at all (written beside it, then renamed).
+
+    Raises:
+        FileExistsError: ``dst`` exists and ``overwrite`` is false.
+        GGUFError, TokenizerError: ``src`` is unreadable or unsupported.
+    """
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} already exists (use --overwrite)")
+    g = read_gguf(src)
+    cfg = dict(g.config)
+    weights = dict(g.weights)
+    for proj, heads in (("q_proj", cfg["num_attention_heads"]), ("k_proj", cfg["num_key_value_heads"])):
+        for name in [k for k in weights if f".self_attn.{proj}." in k]:
+            w = weights[name]
+            weights[name] = w[unpermute_rows(w.shape[0], heads)]
+    cfg["rope_traditional"] = False
+
+    quant = {}
+    for name in weights:
+        if name.endswith(".scales"):
+            base = name[: -len(".scales")]
+            groups = weights[name].shape[-1]
+            in_features = groups * 32
+            quant[base] = {"group_size": 32, "bits": weights[base + ".weight"].shape[-1] * 32 // in_features}
+    if quant:
+        (bits, group), _ = Counter((q["bits"], q["group_size"]) for q in quant.values()).most_common(1)[0]
+        cfg["quantization"] = {"group_size": group, "bits": bits}
+        cfg["quantization"].update({k: q for k, q in quant.items() if (q["bits"], q["group_size"]) != (bits, group)})
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    tok = g.tokenizer
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tok._hf.save(str(tmp / "tokenizer.json"))
+        tok_cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": tok.bos_token or None,
+            "eos_token": tok.eos_token or None,
+            "add_bos_token": tok.add_bos_token,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": cfg["max_position_embeddings"],
+        }
+        if tok.chat_template:
+            tok_cfg["chat_template"] = tok.chat_template
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_id": list(tok.eos_token_ids)}, indent=2))
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst

@@ -1,0 +1,104 @@
+"""Read an MLX / Hugging Face model directory: ``config.json``, ``model*.safetensors`` (optionally
+sharded with ``model.safetensors.index.json``), ``tokenizer.json``, ``tokenizer_config.json``,
+``generation_config.json``, ``chat_template.jinja`` — the layout ``mlx_lm.convert`` writes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from .tokenizer import Tokenizer
+
+
+class ModelDirError(ValueError):
+    """The model directory lacks a file or holds an unreadable one; the message names it."""
+
+
+@dataclass
+class ModelDir:
+    """What a model directory holds.
+
+    Attributes:
+        config: ``config.json`` (with ``eos_token_id`` replaced by the union of every EOS id declared).
+        weights: safetensors tensors by name.
+        tokenizer: the tokenizer with chat template and special tokens.
+    """
+
+    config: dict
+    weights: dict[str, mx.array]
+    tokenizer: Tokenizer
+
+
+def _read_json(path: Path, required: bool = True) -> dict:
+    if not path.is_file():
+        if required:
+            raise ModelDirError(f"{path}: file not found")
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelDirError(f"{path}: not valid JSON ({e})") from None
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of the model in ``path``.
+
+    Raises:
+        ModelDirError: no weights, or an index naming a missing shard.
+    """
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        files = [path / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelDirError(f"{index}: shard(s) {', '.join(missing)} not found")
+        return files
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise ModelDirError(f"{path}: no model*.safetensors weights found")
+    return files
+
+
+def model_files(path: Path) -> list[Path]:
+    """Every file whose content determines the model's outputs (for fingerprints)."""
+    names = ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+             "chat_template.jinja", "special_tokens_map.json"]
+    return [path / n for n in names if (path / n).is_file()] + weight_files(path)
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def read_model_dir(path: str | Path) -> ModelDir:
+    """Read a model directory.
+
+    EOS ids are the union of ``config.json``'s ``eos_token_id`` (int or list), ``generation_config.json``'s,
+    and the tokenizer config's ``eos_token``.
+
+    Raises:
+        ModelDirError: missing or unreadable files (named).
+        TokenizerError: a tokenizer that cannot be built.
+    """
+    path = Path(path)
+    config = _read_json(path / "config.json")
+    gen_config = _read_json(path / "generation_config.json", required=False)
+    weights = {}
+    for f in weight_files(path):
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mx.load raises RuntimeError/ValueError with the reason
+            raise ModelDirError(f"{f}: cannot read safetensors ({e})") from None
+    tokenizer = Tokenizer.from_model_dir(
+        path,
+        extra_eos_ids=_ids(config.get("eos_token_id")) + _ids(gen_config.get("eos_token_id")),
+        bos_token_id=config.get("bos_token_id", gen_config.get("bos_token_id")),
+    )
+    config = {**config, "eos_token_id": list(tokenizer.eos_token_ids)}
+    return ModelDir(config=config, weights=weights, tokenizer=tokenizer)

@@ -1,0 +1,71 @@
+"""`pipeline convert` on the real default model: the MLX directory it writes loads in ours and in mlx-lm."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import ROOT  # noqa: F401  (tests/ on sys.path)
+from pipeline import load_model
+from pipeline.engine import GenerateParams
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, default_model_path):
+    import subprocess
+
+    dst = tmp_path_factory.mktemp("convert") / "smollm2-mlx"
+    proc = subprocess.run(["pipeline", "convert", str(default_model_path), str(dst)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return dst
+
+
+def test_directory_layout(converted):
+    names = {p.name for p in converted.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    config = json.loads((converted / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["rope_traditional"] is False
+    assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 32
+    assert config["quantization"]["model.embed_tokens"] == {"group_size": 32, "bits": 8}
+    assert "chat_template" in json.loads((converted / "tokenizer_config.json").read_text())
+
+
+def test_refuses_to_overwrite(converted, default_model_path):
+    import subprocess
+
+    proc = subprocess.run(["pipeline", "convert", str(default_model_path), str(converted)], capture_output=True, text=True)
+    assert proc.returncode == 1 and "already exists" in proc.stderr
+
+
+def test_logits_equal_gguf_path(converted, default_model_path, llamacpp_cases):
+    gguf = load_model(path=default_model_path, dequantize=False)
+    mlx_dir = load_model(str(converted), dequantize=False)
+    for case in llamacpp_cases[:3]:
+        a, b = gguf.logprobs(case["chat_ids"]), mlx_dir.logprobs(case["chat_ids"])
+        np.testing.assert_allclose(b, a, atol=1e-4)
+
+
+def test_tokenizer_from_directory_matches_llamacpp(converted, llamacpp_cases):
+    tok = load_model(str(converted)).tokenizer
+    assert tok.eos_token_ids == (2,) and tok.bos_token_id == 1 and tok.add_bos_token is False
+    for case in llamacpp_cases:
+        assert tok.encode(case["prompt"]) == case["raw_ids"]
+        assert tok.encode(case["chat_text"], parse_special=True) == case["chat_ids"]
+        assert tok.apply_chat_template([{"role": "user", "content": case["prompt"]}]) == case["chat_text"]
+
+
+def test_mlx_lm_loads_it_and_greedy_agrees(converted, llamacpp_cases):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    ref_model, ref_tok = load(str(converted))
+    # float32 like ours (on this CPU float16 matmuls are ~30x slower); mlx-lm's own model code throughout
+    ref_model.set_dtype(mx.float32)
+    ours = load_model(str(converted))
+    for case in llamacpp_cases[:2]:
+        ids = ref_tok.encode(case["chat_text"], add_special_tokens=False)
+        assert ids == case["chat_ids"]
+        ref = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), ref_model, max_tokens=16), range(16))]
+        ours_ids = ours.engine.generate(ids, GenerateParams(max_tokens=16, ignore_eos=True)).token_ids
+        assert ours_ids == ref
