@@ -6,13 +6,14 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from . import gemma3_text
 from . import llama
 from . import qwen2
 from . import qwen3
 from .base import ConfigError
 
 # HF model_type -> family module (each has ModelArgs and Model).
-FAMILIES = {"llama": llama, "mistral": llama, "qwen2": qwen2, "qwen3": qwen3}
+FAMILIES = {"llama": llama, "mistral": llama, "qwen2": qwen2, "qwen3": qwen3, "gemma3_text": gemma3_text}
 
 
 def build_model(config: dict, weights: dict[str, mx.array], dtype: mx.Dtype = mx.float32) -> nn.Module:
