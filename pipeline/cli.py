@@ -1,4 +1,5 @@
-"""Command line: ``pipeline run JOB``, ``pipeline validate JOB``. Each command parses and calls a plain function."""
+"""Command line: ``pipeline run JOB``, ``validate JOB``, ``convert SRC DST``, ``inspect MODEL``. Each command parses
+and calls a plain function."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from .gguf import GGUFError
 from .inputs import InputError, read_rows
 from .modeldir import ModelDirError
 from .jobspec import JobSpecError, load_job
+from .loader import WeightsError
 from .models.base import ConfigError
 from .resolve import ModelResolveError
 from .shards import OutputError
 from .tokenizer import TokenizerError
 
 USER_ERRORS = (JobSpecError, InputError, OutputError, ModelResolveError, GGUFError, ModelDirError, TokenizerError,
-               ConfigError, ChatTemplateError)
+               ConfigError, ChatTemplateError, WeightsError)
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
@@ -78,3 +80,19 @@ def convert(src, dst, overwrite):
     except (FileExistsError, *USER_ERRORS) as e:
         _fail(e)
     click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Print the description as JSON.")
+def inspect(model, as_json):
+    """Describe MODEL (alias, .gguf path or model directory): architecture, weights, cache, special tokens."""
+    import json
+
+    from .describe import describe_model, format_description
+
+    try:
+        d = describe_model(model)
+    except USER_ERRORS as e:
+        _fail(e)
+    click.echo(json.dumps(d, indent=2, ensure_ascii=False) if as_json else format_description(d))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -10,8 +11,9 @@ import numpy as np
 from . import _blas
 from .engine import Engine, GenerateParams
 from .gguf import read_gguf
-from .modeldir import model_files, read_model_dir
-from .models import build_model, dequantize_model, dequantized_nbytes
+from .modeldir import model_files, read_model_dir, weight_files
+from .models import FAMILIES, build_model, dequantize_model, dequantized_nbytes
+from .models.base import ConfigError
 from .resolve import ALIASES, cached_sha256, resolve_model
 from .tokenizer import Tokenizer
 
@@ -26,6 +28,45 @@ def compute_dtype(name: str = "auto") -> mx.Dtype:
 
 
 DEQUANTIZE_MAX_BYTES = 4 << 30
+
+
+class WeightsError(ValueError):
+    """The model's weights do not fit its config (missing, unexpected or wrongly shaped tensors); the
+    message names the weight file(s) and the tensors."""
+
+
+def _weights_problem(e: ValueError) -> str:
+    """MLX's ``load_weights(strict=True)`` message (names one per line) as one line."""
+    m = re.match(r"(Received|Missing) \d+ parameters(?: not in model)?: \n(.*)\.$", str(e), re.S)
+    if m:
+        names = m.group(2).split(",\n")
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return f"{'unexpected' if m.group(1) == 'Received' else 'missing'} {len(names)} tensor(s): {shown}"
+    m = re.match(r"Expected shape (.*) but received shape (.*) for parameter (\S+)$", str(e))
+    if m:
+        return f"tensor {m.group(3)} has shape {m.group(2)}, expected {m.group(1)}"
+    return " ".join(str(e).split())
+
+
+def _build(path: Path, config: dict, weights: dict, dtype: mx.Dtype):
+    """``build_model`` with errors naming the file at fault: ``config.json`` (or the ``.gguf`` file)
+    for config problems, the weight file(s) for tensors that do not fit."""
+    config_file = path / "config.json" if path.is_dir() else path
+    if "model_type" not in config:
+        raise ConfigError(f"{config_file}: lacks required key model_type (supported: {', '.join(sorted(FAMILIES))})")
+    try:
+        return build_model(config, weights, dtype)
+    except ConfigError as e:
+        raise ConfigError(f"{config_file}: {e}") from None
+    except ValueError as e:  # MLX's load_weights(strict=True), or a tensor nn.quantize cannot take
+        if path.is_dir():
+            files = weight_files(path)
+            where = str(files[0]) if len(files) == 1 else f"{path} ({', '.join(f.name for f in files)})"
+        else:
+            where = str(path)
+        raise WeightsError(
+            f"{where}: weights do not fit the {config['model_type']} model of {config_file.name}: {_weights_problem(e)}"
+        ) from None
 
 
 def should_dequantize(model, dtype: mx.Dtype) -> bool:
@@ -53,7 +94,7 @@ class LoadedModel:
         self.engine = Engine(
             model,
             eos_token_ids=tokenizer.eos_token_ids,
-            context_length=int(config.get("max_position_embeddings", 4096)),
+            context_length=int(model.args.max_position_embeddings),
             prefill_step_size=prefill_step_size,
         )
 
@@ -97,12 +138,13 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
         path: the already-resolved local file for ``spec``, if known.
 
     Raises:
-        ModelResolveError, GGUFError, TokenizerError, ConfigError: with a message naming the problem.
+        ModelResolveError, GGUFError, ModelDirError, TokenizerError, ConfigError, WeightsError: one line
+        naming the file and the key or tensor at fault.
     """
     path = path or resolve_model(spec)
     g = read_model_dir(path) if path.is_dir() else read_gguf(path)
     dt = compute_dtype(dtype)
-    model = build_model(g.config, g.weights, dt)
+    model = _build(path, g.config, g.weights, dt)
     if dequantize == "auto":
         dequantize = should_dequantize(model, dt)
     if dequantize:

@@ -38,9 +38,12 @@ def _read_json(path: Path, required: bool = True) -> dict:
             raise ModelDirError(f"{path}: file not found")
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ModelDirError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelDirError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def weight_files(path: Path) -> list[Path]:

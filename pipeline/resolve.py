@@ -176,8 +176,10 @@ def _hub_download(repo_id: str, filename: str | None) -> Path:
             return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
         files = [f for f in names if f.endswith(".gguf")]
     except Exception as e:
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
         raise ModelResolveError(
-            f"model {repo_id!r}: cannot reach it on the Hugging Face Hub ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            f"model {repo_id!r}: no such local file or directory, and cannot fetch it from the "
+            f"Hugging Face Hub ({reason})"
         ) from None
     if len(files) != 1:
         raise ModelResolveError(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 
 
 class ConfigError(ValueError):
@@ -23,4 +25,35 @@ class BaseModelArgs:
         ]
         if missing:
             raise ConfigError(f"model config lacks required key(s): {', '.join(missing)}")
+        hints = typing.get_type_hints(cls)
+        for name in fields:
+            if name in config and not _matches(config[name], hints[name]):
+                raise ConfigError(f"model config key {name!r} must be {_type_name(hints[name])}, got {config[name]!r}")
         return cls(**{k: v for k, v in config.items() if k in fields})
+
+
+def _options(tp) -> tuple:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return typing.get_args(tp)
+    return (tp,)
+
+
+def _matches(value, tp) -> bool:
+    for option in _options(tp):
+        origin = typing.get_origin(option) or option
+        if option is type(None) and value is None:
+            return True
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if origin is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if origin not in (int, float) and isinstance(origin, type) and isinstance(value, origin):
+            return True
+        if option is typing.Any:
+            return True
+    return False
+
+
+def _type_name(tp) -> str:
+    return " or ".join("null" if o is type(None) else getattr(typing.get_origin(o) or o, "__name__", str(o))
+                       for o in _options(tp))

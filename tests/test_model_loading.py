@@ -1,0 +1,298 @@
+"""Loading MLX / HF model directories: tiny llama directories built here, their error messages, special
+tokens, and ``pipeline inspect``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from pipeline.modeldir import ModelDirError
+from mlx.utils import tree_flatten, tree_unflatten
+from tokenizers import AddedToken, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from pipeline import load_model
+from pipeline.describe import describe_model, format_description
+from pipeline.engine import GenerateParams
+from pipeline.inputs import InputRow
+from pipeline.jobspec import InputSpec
+from pipeline.loader import WeightsError, compute_dtype
+from pipeline.models import llama
+from pipeline.models.base import ConfigError
+from pipeline.prompts import build_prompt
+from pipeline.tokenizer import TokenizerError
+
+SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|eot|>"]  # ids 0..5
+BOS, EOS, IM_END, EOT = 1, 2, 4, 5
+WORDS = ["user", "assistant", "system", "hello", "world"]
+VOCAB = SPECIAL + WORDS + [f"w{i}" for i in range(128 - len(SPECIAL) - len(WORDS))]
+CONFIG = {
+    "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(VOCAB), "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 256, "tie_word_embeddings": True, "bos_token_id": BOS, "eos_token_id": EOS,
+}
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict[str, mx.array]:
+    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
+    return dict(tree_flatten(model.parameters()))
+
+
+def write_tokenizer(path: Path) -> None:
+    hf = HFTokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    hf.save(str(path))
+
+
+def make_dir(path: Path, weights: dict, *, config: dict | None = None, tokenizer_config: dict | None = None,
+             generation_config: dict | None = None, shards: int = 1) -> Path:
+    """A model directory as mlx_lm.convert writes it (weights split into ``shards`` files with an index)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(CONFIG if config is None else config))
+    write_tokenizer(path / "tokenizer.json")
+    tok_cfg = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False, "chat_template": TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg if tokenizer_config is None else tokenizer_config))
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation_config))
+    if shards == 1:
+        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+        return path
+    names = sorted(weights)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        mx.save_safetensors(str(path / fname), {k: weights[k] for k in part}, metadata={"format": "mlx"})
+        weight_map.update({k: fname for k in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def load(path: Path):
+    return load_model(str(path), dequantize=False)
+
+
+def one_line_error(exc_info, *needles):
+    msg = str(exc_info.value)
+    assert "\n" not in msg, msg
+    for n in needles:
+        assert str(n) in msg, msg
+    return msg
+
+
+# --- loading ---------------------------------------------------------------------------------------
+
+
+def test_directory_loads_and_generates(tmp_path, weights):
+    lm = load(make_dir(tmp_path / "m", weights))
+    assert lm.config["model_type"] == "llama" and lm.engine.context_length == 256
+    gen = lm.engine.generate([BOS, 8, 9], GenerateParams(max_tokens=4, ignore_eos=True))
+    assert len(gen.token_ids) == 4 and all(0 <= t < len(VOCAB) for t in gen.token_ids)
+    assert isinstance(lm.generate("hello world", max_tokens=3), str)
+
+
+def test_sharded_weights_load_identically(tmp_path, weights):
+    one = load(make_dir(tmp_path / "one", weights))
+    two_dir = make_dir(tmp_path / "two", weights, shards=2)
+    assert len(list(two_dir.glob("model-*.safetensors"))) == 2
+    two = load(two_dir)
+    for (ka, a), (kb, b) in zip(tree_flatten(one.model.parameters()), tree_flatten(two.model.parameters())):
+        assert ka == kb and mx.array_equal(a, b).item()
+    ids = [BOS, 8, 9, 10]
+    np.testing.assert_array_equal(one.logprobs(ids), two.logprobs(ids))
+
+
+@pytest.mark.parametrize("stored", [mx.bfloat16, mx.float16])
+def test_half_precision_weights_load(tmp_path, weights, stored):
+    half = {k: v.astype(stored) for k, v in weights.items()}
+    lm = load(make_dir(tmp_path / "half", half))
+    assert {v.dtype for _, v in tree_flatten(lm.model.parameters())} == {compute_dtype()}
+    ref = load(make_dir(tmp_path / "ref", {k: v.astype(compute_dtype()) for k, v in half.items()}))
+    ids = [BOS, 8, 9, 10]
+    np.testing.assert_allclose(lm.logprobs(ids), ref.logprobs(ids), atol=1e-6)
+
+
+# --- errors: one line naming the file and the key or tensor -----------------------------------------
+
+
+def test_config_missing_required_key(tmp_path, weights):
+    d = make_dir(tmp_path / "m", weights, config={k: v for k, v in CONFIG.items() if k != "num_attention_heads"})
+    with pytest.raises(ConfigError) as e:
+        load(d)
+    one_line_error(e, d / "config.json", "num_attention_heads")
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", "64"), ("num_hidden_layers", None), ("rms_norm_eps", True)])
+def test_config_value_of_wrong_type(tmp_path, weights, key, value):
+    d = make_dir(tmp_path / "m", weights, config={**CONFIG, key: value})
+    with pytest.raises(ConfigError) as e:
+        load(d)
+    one_line_error(e, d / "config.json", key)
+
+
+def test_config_that_is_not_an_object(tmp_path, weights):
+    d = make_dir(tmp_path / "m", weights)
+    (d / "config.json").write_text("[1]")
+    with pytest.raises(ModelDirError) as e:
+        load(d)
+    one_line_error(e, d / "config.json", "JSON object")
+
+
+def test_config_missing_model_type(tmp_path, weights):
+    d = make_dir(tmp_path / "m", weights, config={k: v for k, v in CONFIG.items() if k != "model_type"})
+    with pytest.raises(ConfigError) as e:
+        load(d)
+    one_line_error(e, d / "config.json", "model_type", "llama", "qwen2")
+
+
+def test_unknown_model_type(tmp_path, weights):
+    d = make_dir(tmp_path / "m", weights, config={**CONFIG, "model_type": "gpt9"})
+    with pytest.raises(ConfigError) as e:
+        load(d)
+    one_line_error(e, d / "config.json", "'gpt9'", "llama", "mistral", "qwen2", "qwen3")
+
+
+def test_missing_weight(tmp_path, weights):
+    name = "model.layers.1.mlp.up_proj.weight"
+    d = make_dir(tmp_path / "m", {k: v for k, v in weights.items() if k != name})
+    with pytest.raises(WeightsError) as e:
+        load(d)
+    one_line_error(e, d / "model.safetensors", "missing", name)
+
+
+def test_missing_weight_in_sharded_dir(tmp_path, weights):
+    name = "model.layers.1.mlp.up_proj.weight"
+    d = make_dir(tmp_path / "m", {k: v for k, v in weights.items() if k != name}, shards=2)
+    with pytest.raises(WeightsError) as e:
+        load(d)
+    one_line_error(e, d, "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", name)
+
+
+def test_unexpected_weight(tmp_path, weights):
+    name = "model.layers.7.mlp.up_proj.weight"
+    d = make_dir(tmp_path / "m", {**weights, name: mx.zeros((128, 64))})
+    with pytest.raises(WeightsError) as e:
+        load(d)
+    one_line_error(e, d / "model.safetensors", "unexpected", name)
+
+
+def test_weight_with_wrong_shape(tmp_path, weights):
+    name = "model.layers.0.self_attn.k_proj.weight"  # (2 kv heads * 16, 64) = (32, 64)
+    d = make_dir(tmp_path / "m", {**weights, name: mx.zeros((64, 64))})
+    with pytest.raises(WeightsError) as e:
+        load(d)
+    one_line_error(e, d / "model.safetensors", name, "(64, 64)", "(32, 64)")
+
+
+def test_missing_tokenizer_json(tmp_path, weights):
+    d = make_dir(tmp_path / "m", weights)
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(TokenizerError) as e:
+        load(d)
+    one_line_error(e, d / "tokenizer.json")
+
+
+def test_cli_error_is_one_line(tmp_path, weights):
+    d = make_dir(tmp_path / "m", {k: v for k, v in weights.items() if k != "model.norm.weight"})
+    proc = subprocess.run(["pipeline", "inspect", str(d)], capture_output=True, text=True)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "model.norm.weight" in lines[0], proc.stderr
+
+
+# --- special tokens and chat template ---------------------------------------------------------------
+
+
+def test_eos_ids_are_the_union_of_every_declaration(tmp_path, weights):
+    d = make_dir(tmp_path / "m", weights, config={**CONFIG, "eos_token_id": [EOS, EOT]},
+                 generation_config={"eos_token_id": [EOT, 7]},
+                 tokenizer_config={"bos_token": "<s>", "eos_token": "<|im_end|>", "chat_template": TEMPLATE})
+    lm = load(d)
+    assert set(lm.tokenizer.eos_token_ids) == {EOS, EOT, 7, IM_END}
+    assert lm.config["eos_token_id"] == sorted({EOS, EOT, 7, IM_END})
+
+
+def test_chat_template_from_jinja_file(tmp_path, weights):
+    d = make_dir(tmp_path / "m", weights, tokenizer_config={"bos_token": "<s>", "eos_token": "</s>"})
+    assert load(d).tokenizer.chat_template is None
+    (d / "chat_template.jinja").write_text(TEMPLATE)
+    tok = load(d).tokenizer
+    assert tok.chat_template == TEMPLATE
+    text = tok.apply_chat_template([{"role": "user", "content": "hello"}])
+    assert text == "<|im_start|>user hello<|im_end|><|im_start|>assistant"
+
+
+def test_bos_not_doubled_when_template_emits_it(tmp_path, weights):
+    d = make_dir(tmp_path / "m", weights, tokenizer_config={
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": "{{ bos_token }}" + TEMPLATE})
+    tok = load(d).tokenizer
+    assert tok.bos_token_id == BOS and tok.add_bos_token is True
+    row = InputRow(index=0, id=0, prompt="hello world", messages=None)
+    chat = build_prompt(row, InputSpec(path="x"), tok).token_ids
+    assert chat[:3] == [BOS, 3, 6] and chat.count(BOS) == 1  # <s> <|im_start|> user
+    raw = build_prompt(row, InputSpec(path="x", apply_chat_template=False), tok).token_ids
+    assert raw == [BOS, 9, 10]
+
+
+# --- pipeline inspect -------------------------------------------------------------------------------
+
+
+def test_describe_float_directory(tmp_path, weights):
+    d = make_dir(tmp_path / "m", {k: v.astype(mx.bfloat16) for k, v in weights.items()})
+    info = describe_model(str(d))
+    n_params = sum(v.size for v in weights.values())
+    assert info["format"] == "mlx-dir" and info["path"] == str(d) and info["model_type"] == "llama"
+    assert info["parameters"] == n_params
+    assert info["weight_tensors"] == {"bfloat16": len(weights)}
+    assert info["weight_bytes_on_disk"] == (d / "model.safetensors").stat().st_size
+    assert info["weight_bytes_in_memory"] == n_params * compute_dtype().size
+    assert (info["hidden_size"], info["num_hidden_layers"], info["num_attention_heads"],
+            info["num_key_value_heads"], info["head_dim"], info["context_length"]) == (64, 2, 4, 2, 16, 256)
+    assert info["cache_layout"] == "2 x KVCache"
+    assert info["eos_token_ids"] == [EOS] and info["eos_tokens"] == ["</s>"]
+    assert (info["bos_token_id"], info["bos_token"], info["add_bos_token"]) == (BOS, "<s>", False)
+    assert info["chat_template"] is True
+    text = format_description(info)
+    assert f"bfloat16 x {len(weights)} tensors" in text and "2 x KVCache" in text
+
+
+def test_describe_quantized_directory_counts_unquantized_size(tmp_path, weights):
+    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
+    model.update(tree_unflatten(list(weights.items())))
+    nn.quantize(model, group_size=32, bits=4)
+    qweights = dict(tree_flatten(model.parameters()))
+    d = make_dir(tmp_path / "q", qweights, config={**CONFIG, "quantization": {"group_size": 32, "bits": 4}})
+    info = describe_model(str(d))
+    assert info["parameters"] == sum(v.size for v in weights.values())
+    # 7 projections x 2 layers + the embedding quantized; 2 norms x 2 layers + the final norm not
+    assert info["weight_tensors"] == {"4-bit (group 32)": 15, "float32": 5}
+
+
+def test_inspect_default_model(default_model_path):
+    proc = subprocess.run(["pipeline", "inspect", "smollm2-135m-instruct", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["model_type"] == "llama" and info["format"] == "gguf"
+    assert info["num_hidden_layers"] == 30 and info["context_length"] == 8192
+    assert info["eos_token_ids"] == [2] and info["eos_tokens"] == ["<|im_end|>"]
+    assert 130e6 < info["parameters"] < 140e6
+    assert info["weight_tensors"] == {"4-bit (group 32)": 210, "8-bit (group 32)": 1, "float32": 61}
+    assert info["cache_layout"] == "30 x KVCache"
+    assert info["chat_template"] is True
+
+
+def test_inspect_missing_path(tmp_path):
+    proc = subprocess.run(["pipeline", "inspect", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0]
