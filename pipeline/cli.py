@@ -1,12 +1,14 @@
-"""Command line: ``pipeline run JOB``, ``validate JOB``, ``convert SRC DST``, ``inspect MODEL``. Each command parses
-and calls a plain function."""
+"""Command line: ``pipeline run JOB``, ``validate JOB``, ``convert SRC DST``, ``inspect MODEL``, ``bench``. Each
+command parses and calls a plain function."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import click
 
+from .cache import CacheConfigError
 from .chat_template import ChatTemplateError
 from .gguf import GGUFError
 from .inputs import InputError, read_rows
@@ -18,7 +20,7 @@ from .resolve import ModelResolveError
 from .shards import OutputError
 from .tokenizer import TokenizerError
 
-USER_ERRORS = (JobSpecError, InputError, OutputError, ModelResolveError, GGUFError, ModelDirError, TokenizerError,
+USER_ERRORS = (CacheConfigError, JobSpecError, InputError, OutputError, ModelResolveError, GGUFError, ModelDirError, TokenizerError,
                ConfigError, ChatTemplateError, WeightsError)
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
@@ -32,6 +34,7 @@ def _fail(e: Exception):
 @click.version_option(package_name="pipeline")
 def main():
     """Batch offline text generation on MLX."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
 
 
 @main.command()
@@ -96,3 +99,46 @@ def inspect(model, as_json):
     except USER_ERRORS as e:
         _fail(e)
     click.echo(json.dumps(d, indent=2, ensure_ascii=False) if as_json else format_description(d))
+
+
+def _int_list(ctx, param, value):
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise click.BadParameter("expected positive integers")
+    return out
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--random", "random_shape", metavar="SHAPE",
+              help="Random 4-bit weights of a real model's shape, built in memory: smollm2-135m, llama-3.2-1b, "
+                   "qwen2.5-7b or gemma-3-1b.")
+@click.option("--prompt-tokens", default="64,512,2048", show_default=True, callback=_int_list,
+              help="Prompt lengths (random tokens), comma-separated.")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=256, show_default=True, help="New tokens per run.")
+@click.option("--trials", type=click.IntRange(min=3), default=3, show_default=True,
+              help="Timed runs per row (median reported), after one warm-up run.")
+@click.option("--cache", "caches", default="full", show_default=True,
+              help="KV cache kinds, comma-separated: full, rotating:N, q8, q4, rotating-q8:N.")
+@click.option("--variants", default="eager,compiled", show_default=True, help="Engine decode variants to run.")
+@click.option("--dequantize/--no-dequantize", default=None,
+              help="Expand quantized weights (default: load_model's auto rule); --no-dequantize runs the same "
+                   "quantized kernels as mlx-lm.")
+@click.option("--no-peer", is_flag=True, help="Skip mlx-lm's generate_step on the same weights.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every row and trial as JSON.")
+def bench(model, random_shape, prompt_tokens, max_tokens, trials, caches, variants, dequantize, no_peer, json_path):
+    """Decode tok/s, prefill tok/s and TTFT of MODEL (or --random SHAPE): eager vs compiled, per cache kind and
+    prompt length, with mlx-lm's generate_step on the same weights in the same run."""
+    from .bench import BenchError, run_bench
+
+    try:
+        run_bench(model, random=random_shape, prompt_tokens=prompt_tokens, max_tokens=max_tokens, trials=trials,
+                  caches=[c for c in caches.split(",") if c.strip()],
+                  variants=[v.strip() for v in variants.split(",") if v.strip()],
+                  dequantize="auto" if dequantize is None else dequantize, peer=not no_peer, json_path=json_path,
+                  echo=click.echo, progress=lambda line: click.echo(line, err=True))
+    except (BenchError, *USER_ERRORS) as e:
+        _fail(e)

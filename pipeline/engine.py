@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .sampler import sample
+from .cache import make_caches
+from .compiled import ClosureSet, capacity_bucket, decode_blocker, layer_kind
+from .sampler import categorical, sample
+
+log = logging.getLogger("pipeline")
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class Generation:
         decode_tps: generated tokens per second after the first one (tokens/s); None if only one token.
         total_s: seconds for the whole request.
         peak_memory_bytes: MLX peak memory during the request, in bytes.
+        compiled: whether decode ran through the compiled closure set.
     """
 
     token_ids: list[int]
@@ -52,26 +58,50 @@ class Generation:
     decode_tps: float | None
     total_s: float
     peak_memory_bytes: int
-    extra: dict = field(default_factory=dict)
+    compiled: bool = False
 
 
 class Engine:
     """Generates for one prompt at a time with a single model and a reused set of KV caches.
 
+    Prefill runs eagerly in chunks; decode runs through the compiled closure set
+    (``pipeline.compiled.ClosureSet``) unless ``compile`` is false or the generation cannot be expressed
+    as a fixed-capacity step, in which case it runs eagerly and the reason is logged once.
+
     Args:
         model: a model from ``pipeline.models.build_model`` (``model(inputs (1, L) int32, cache)``
-            returns logits ``(1, L, vocab)``, ``model.make_cache()`` gives per-layer caches).
+            returns logits ``(1, L, vocab)``, ``model.make_cache()`` declares per-layer caches).
         eos_token_ids: ids that end a generation.
         context_length: most positions the model supports (prompt + generated tokens).
         prefill_step_size: prompt tokens per prefill chunk.
+        cache_spec: a ``pipeline.jobspec.CacheSpec`` (max_kv_size, kv_bits, ...), or None for the
+            model's own layout.
+        compile: decode through compiled closures.
+
+    Raises:
+        CacheConfigError: a cache spec the model cannot use (e.g. kv_group_size not dividing head_dim).
     """
 
-    def __init__(self, model, eos_token_ids, context_length: int, prefill_step_size: int = 512):
+    def __init__(self, model, eos_token_ids, context_length: int, prefill_step_size: int = 512,
+                 cache_spec=None, compile: bool = True):
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
         self.context_length = context_length
         self.prefill_step_size = prefill_step_size
-        self.cache = model.make_cache()
+        self.cache = make_caches(model, cache_spec)
+        self.compile = compile
+        self.closures = ClosureSet(model, categorical)
+        self._logged: set[str] = set()
+
+    @property
+    def closure_count(self) -> int:
+        """Compiled closures built so far (bounded by the distinct graph shapes met)."""
+        return len(self.closures.closures)
+
+    @property
+    def trace_count(self) -> int:
+        """Times a closure was traced; constant while generations reuse existing closures."""
+        return self.closures.trace_count
 
     def reset(self) -> None:
         for c in self.cache:
@@ -93,6 +123,43 @@ class Engine:
             mx.eval([c.state for c in self.cache])
             start += step
         return self.model(prompt[None, start:], self.cache, last_only=True)[:, -1, :]
+
+    def _note(self, reason: str) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning("decoding eagerly: %s", reason)
+
+    def _compiled_stepper(self, n_prompt: int, max_tokens: int, params: GenerateParams, key):
+        """A function ``y -> next y`` running the compiled step, or None (reason logged) if it can't."""
+        reason = decode_blocker(self.cache, n_prompt, max_tokens)
+        if reason:
+            self._note(reason)
+            return None
+        for c in self.cache:
+            c.reserve(capacity_bucket(n_prompt + max_tokens))
+        kinds = tuple(layer_kind(c) for c in self.cache)
+        sampler = "greedy" if params.temperature == 0 else "sample"
+        if (kinds, sampler) in self.closures.broken:
+            return None
+        step = self.closures.get(kinds, sampler)
+        state = {
+            "pos": mx.array(n_prompt, dtype=mx.int32),
+            "key": key if key is not None else mx.random.key(0),
+            "buffers": [b for c in self.cache for b in (c.keys, c.values)],
+        }
+        inv_temperature = mx.array(1.0 / params.temperature if params.temperature > 0 else 1.0, dtype=mx.float32)
+
+        def advance(y):
+            out = step(y, state["pos"], state["key"], inv_temperature, *state["buffers"])
+            state["pos"], state["key"], state["buffers"] = out[1], out[2], list(out[3:])
+            return out[0]
+
+        def finish(n_steps: int):
+            for i, c in enumerate(self.cache):
+                c.keys, c.values = state["buffers"][2 * i], state["buffers"][2 * i + 1]
+                c.offset += n_steps
+
+        return advance, finish, (kinds, sampler)
 
     def generate(self, prompt_ids: list[int], params: GenerateParams) -> Generation:
         """Generate a completion for ``prompt_ids``.
@@ -125,13 +192,35 @@ class Engine:
         t0 = time.perf_counter()
         y = next_token(self._prefill(mx.array(prompt_ids, dtype=mx.uint32)))
         mx.async_eval(y)
+
+        advance = lambda y: next_token(self.model(y[None], self.cache)[:, -1, :])  # noqa: E731
+        finish_compiled = None
+        if self.compile and max_tokens > 1:
+            compiled = self._compiled_stepper(n_prompt, max_tokens, params, key)
+            if compiled is not None:
+                step, finish_compiled, closure_key = compiled
+                try:
+                    y_probe = step(y)  # first call traces (once per closure key)
+                    mx.async_eval(y_probe)
+                except Exception as e:  # a graph the compiler cannot express: never retry this key
+                    self.closures.broken[closure_key] = str(e)
+                    self._note(f"compiled step failed ({type(e).__name__}: {e})")
+                    finish_compiled = None
+                else:
+                    advance, pending = step, y_probe
+
         tokens: list[int] = []
         finish, stop_id = "length", None
         t_first = None
+        n_steps = 0
         while True:
             if len(tokens) + 1 < max_tokens:
-                y_next = next_token(self.model(y[None], self.cache)[:, -1, :])
-                mx.async_eval(y_next)
+                if finish_compiled is not None and n_steps == 0:
+                    y_next = pending
+                else:
+                    y_next = advance(y)
+                    mx.async_eval(y_next)
+                n_steps += 1
             else:
                 y_next = None
             tok = y.item()
@@ -144,6 +233,8 @@ class Engine:
             if y_next is None:
                 break
             y = y_next
+        if finish_compiled is not None:
+            finish_compiled(n_steps)
         t_end = time.perf_counter()
         ttft = t_first - t0
         n_decoded = len(tokens) + (finish == "stop") - 1
@@ -158,4 +249,5 @@ class Engine:
             decode_tps=(n_decoded / decode_s) if n_decoded > 0 and decode_s > 0 else None,
             total_s=t_end - t0,
             peak_memory_bytes=int(mx.get_peak_memory()),
+            compiled=finish_compiled is not None,
         )

@@ -91,11 +91,13 @@ class EngineSpec:
         dequantize: expand quantized weights to ``dtype`` at load: true, false, or "auto" (on the CPU
             with OpenBLAS when the expanded weights fit in 4 GiB; same values, faster matmuls).
         prefill_step_size: prompt tokens per prefill chunk.
+        compile: run decode steps through the compiled closure set; false = eager, for comparison.
     """
 
     dtype: str = "auto"
     dequantize: bool | str = "auto"
     prefill_step_size: int = 512
+    compile: bool = True
 
     def check(self):
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -104,6 +106,37 @@ class EngineSpec:
             raise JobSpecError(f"engine.dequantize must be true, false or auto, got {self.dequantize!r}")
         if self.prefill_step_size < 1:
             raise JobSpecError(f"engine.prefill_step_size must be >= 1, got {self.prefill_step_size}")
+
+
+@dataclass
+class CacheSpec:
+    """KV cache layout (mlx-lm's ``--max-kv-size``, ``--kv-bits``, ``--kv-group-size`` and
+    ``--quantized-kv-start``); see ``pipeline.cache.make_caches``.
+
+    Attributes:
+        max_kv_size: keep at most this many positions per layer (full-attention layers become sliding
+            windows of this size; sliding layers keep the smaller of their window and this); None: no
+            bound.
+        kv_bits: store keys and values quantized to 4 or 8 bits; None: unquantized.
+        kv_group_size: elements per quantization group along head_dim: 32, 64 or 128 (must divide the
+            model's head_dim).
+        quantized_kv_start: positions kept unquantized before the cache switches to quantized storage.
+    """
+
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
+
+    def check(self):
+        if self.max_kv_size is not None and self.max_kv_size < 1:
+            raise JobSpecError(f"cache.max_kv_size must be >= 1, got {self.max_kv_size}")
+        if self.kv_bits is not None and self.kv_bits not in (4, 8):
+            raise JobSpecError(f"cache.kv_bits must be 4 or 8, got {self.kv_bits}")
+        if self.kv_group_size not in (32, 64, 128):
+            raise JobSpecError(f"cache.kv_group_size must be 32, 64 or 128, got {self.kv_group_size}")
+        if self.quantized_kv_start < 0:
+            raise JobSpecError(f"cache.quantized_kv_start must be >= 0, got {self.quantized_kv_start}")
 
 
 @dataclass
@@ -132,6 +165,7 @@ class JobSpec:
     model: str = DEFAULT_MODEL
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     engine: EngineSpec = field(default_factory=EngineSpec)
+    cache: CacheSpec = field(default_factory=CacheSpec)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -89,13 +89,16 @@ class LoadedModel:
         engine: the ``Engine`` that generates with it.
     """
 
-    def __init__(self, spec: str, path: Path, config: dict, model, tokenizer: Tokenizer, prefill_step_size: int = 512):
+    def __init__(self, spec: str, path: Path, config: dict, model, tokenizer: Tokenizer, prefill_step_size: int = 512,
+                 cache_spec=None, compile: bool = True):
         self.spec, self.path, self.config, self.model, self.tokenizer = spec, path, config, model, tokenizer
         self.engine = Engine(
             model,
             eos_token_ids=tokenizer.eos_token_ids,
             context_length=int(model.args.max_position_embeddings),
             prefill_step_size=prefill_step_size,
+            cache_spec=cache_spec,
+            compile=compile,
         )
 
     def logprobs(self, token_ids: list[int]) -> np.ndarray:
@@ -127,7 +130,8 @@ def model_identity(spec: str, path: Path) -> dict:
 
 
 def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequantize: str | bool = "auto",
-               prefill_step_size: int = 512, path: Path | None = None) -> LoadedModel:
+               prefill_step_size: int = 512, cache_spec=None, compile: bool = True,
+               path: Path | None = None) -> LoadedModel:
     """Load a model: a built-in alias, a ``.gguf`` path, or a Hugging Face repo id.
 
     Args:
@@ -135,6 +139,9 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
         dtype: "auto", "float32", "float16" or "bfloat16" (see ``compute_dtype``).
         dequantize: expand quantized weights to ``dtype`` (see ``should_dequantize`` for "auto").
         prefill_step_size: prompt tokens per prefill chunk.
+        cache_spec: a ``pipeline.jobspec.CacheSpec`` (rotating / quantized KV caches), or None for the
+            model's own cache layout.
+        compile: decode through the compiled closure set (false: eager).
         path: the already-resolved local file for ``spec``, if known.
 
     Raises:
@@ -149,4 +156,4 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
         dequantize = should_dequantize(model, dt)
     if dequantize:
         dequantize_model(model, dt)
-    return LoadedModel(spec, path, g.config, model, g.tokenizer, prefill_step_size)
+    return LoadedModel(spec, path, g.config, model, g.tokenizer, prefill_step_size, cache_spec, compile)

@@ -25,6 +25,7 @@ class Result:
         decode_tps: generated tokens per second after the first token (tokens/s).
         total_s: seconds for the row, prompt building and detokenization included.
         peak_memory_bytes: MLX peak memory while generating the row, in bytes.
+        compiled: whether decode ran through the compiled closure set (None when the row failed).
         seed: the row's sampling seed (derived from the job seed, id and sample index).
         error: why the row failed, or None.
     """
@@ -41,6 +42,7 @@ class Result:
     decode_tps: float | None
     total_s: float | None
     peak_memory_bytes: int | None
+    compiled: bool | None
     seed: int
     error: str | None
 
@@ -57,6 +59,7 @@ _TYPES = {
     "decode_tps": pa.float64(),
     "total_s": pa.float64(),
     "peak_memory_bytes": pa.int64(),
+    "compiled": pa.bool_(),
     "seed": pa.int64(),
     "error": pa.string(),
 }

@@ -18,6 +18,12 @@ def row_seed(job_seed: int, row_id, sample_index: int) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
+def categorical(logits: mx.array, inv_temperature: mx.array, key: mx.array) -> mx.array:
+    """Sample ``(B,)`` uint32 ids from ``softmax(logits * inv_temperature)`` (``inv_temperature`` an
+    ``mx.array`` so the compiled step does not bake it in)."""
+    return mx.random.categorical(logits * inv_temperature, key=key).astype(mx.uint32)
+
+
 def sample(logits: mx.array, temperature: float, key: mx.array | None) -> mx.array:
     """Pick the next token.
 
@@ -31,4 +37,4 @@ def sample(logits: mx.array, temperature: float, key: mx.array | None) -> mx.arr
     """
     if temperature == 0:
         return mx.argmax(logits, axis=-1).astype(mx.uint32)
-    return mx.random.categorical(logits * (1.0 / temperature), key=key).astype(mx.uint32)
+    return categorical(logits, mx.array(1.0 / temperature, dtype=mx.float32), key)

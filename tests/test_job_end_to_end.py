@@ -72,7 +72,7 @@ def test_output_schema_is_explicit_and_flat(full_run):
         "id": pa.string(), "sample_index": pa.int32(), "prompt": pa.string(), "completion": pa.string(),
         "finish_reason": pa.string(), "prompt_tokens": pa.int32(), "completion_tokens": pa.int32(),
         "ttft_s": pa.float64(), "prefill_tps": pa.float64(), "decode_tps": pa.float64(), "total_s": pa.float64(),
-        "peak_memory_bytes": pa.int64(), "seed": pa.int64(), "error": pa.string(),
+        "peak_memory_bytes": pa.int64(), "compiled": pa.bool_(), "seed": pa.int64(), "error": pa.string(),
     }
     assert {f.name: f.type for f in schema} == expected
 

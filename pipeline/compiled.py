@@ -1,0 +1,133 @@
+"""The compiled decode-closure set: one ``mx.compile``d single-token step per graph shape, reused for
+every prompt of a job.
+
+The step runs the unmodified model forward against *views* of the real caches (``DecodeView``), so the
+compiled graph is the production op sequence by construction. Everything that changes per step enters
+as an ``mx.array`` (the position, the random key, the cache buffers), never as a Python int, so a
+closure is traced once and replayed (MLX bakes Python scalars into the trace; mlx issue 3964). What
+changes the traced graph — each layer's cache kind, capacity, window and quantization, and the
+sampler kind — is the closure's key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+log = logging.getLogger("pipeline")
+
+CAPACITY_STEP = 256
+
+
+def capacity_bucket(n: int) -> int:
+    """Cache capacity for ``n`` positions: 256 * 2**k, so a job needs few distinct closures."""
+    cap = CAPACITY_STEP
+    while cap < n:
+        cap *= 2
+    return cap
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What of one layer's cache shapes the traced graph."""
+
+    quantized: bool
+    capacity: int
+    window: int | None
+    bits: int | None
+    group_size: int | None
+
+
+class DecodeView:
+    """One layer's cache as seen inside the compiled single-token step.
+
+    Holds the cache buffers ``(1, n_kv_heads, capacity, head_dim)`` (for quantized kinds the
+    ``(packed, scales, biases)`` triples), the position ``pos`` (int32 scalar array) of the new token,
+    and writes the token's key/value into slot ``pos`` (``pos % window`` for rotating caches) with
+    ``mx.slice_update``. Attention sees every slot through a boolean mask of the written ones: for a
+    rotating cache whose ring has wrapped those are exactly the ``window`` most recent positions.
+    """
+
+    def __init__(self, kind: LayerKind, keys, values, pos: mx.array):
+        self.kind, self.keys, self.values, self.offset = kind, keys, values, pos
+
+    def make_mask(self, n: int) -> mx.array:
+        return mx.arange(self.kind.capacity) <= self.offset
+
+    def _slot(self) -> mx.array:
+        slot = self.offset % self.kind.window if self.kind.window else self.offset
+        return slot.reshape(1)
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        slot, kind = self._slot(), self.kind
+        if not kind.quantized:
+            self.keys = mx.slice_update(self.keys, k, slot, axes=(2,))
+            self.values = mx.slice_update(self.values, v, slot, axes=(2,))
+            return self.keys, self.values
+
+        def store(buffers, x):
+            parts = mx.quantize(x, group_size=kind.group_size, bits=kind.bits)
+            return tuple(mx.slice_update(b, p, slot, axes=(2,)) for b, p in zip(buffers, parts))
+
+        self.keys, self.values = store(self.keys, k), store(self.values, v)
+        fetch = lambda b: mx.dequantize(*b, group_size=kind.group_size, bits=kind.bits).astype(k.dtype)  # noqa: E731
+        return fetch(self.keys), fetch(self.values)
+
+
+def layer_kind(cache) -> LayerKind:
+    quantized = getattr(cache, "bits", None) is not None
+    keys = cache.keys[0] if quantized else cache.keys
+    return LayerKind(quantized, keys.shape[2], getattr(cache, "max_size", None),
+                     getattr(cache, "bits", None), getattr(cache, "group_size", None))
+
+
+def decode_blocker(caches, n_prompt: int, max_tokens: int) -> str | None:
+    """Why the compiled step cannot run this generation (None if it can)."""
+    for i, c in enumerate(caches):
+        if getattr(c, "bits", None) is not None and not getattr(c, "quantized", True):
+            return f"layer {i}: the KV cache switches to quantized storage during this generation (quantized_kv_start)"
+        if not hasattr(c, "reserve"):
+            return f"layer {i}: cache {type(c).__name__} has no fixed-capacity layout"
+    return None
+
+
+class ClosureSet:
+    """Compiled decode steps keyed by graph shape, shared by every generation of one engine.
+
+    ``trace_count`` counts traces (it grows only when a new key is met); ``broken`` holds keys whose
+    compilation failed, with the reason, so they are not retried.
+    """
+
+    def __init__(self, model, sample_fn: Callable):
+        self.model, self.sample_fn = model, sample_fn
+        self.closures: dict[tuple, Callable] = {}
+        self.broken: dict[tuple, str] = {}
+        self.trace_count = 0
+
+    def get(self, kinds: tuple[LayerKind, ...], sampler: str) -> Callable:
+        key = (kinds, sampler)
+        if key not in self.closures:
+            self.closures[key] = mx.compile(self._make_step(kinds, sampler))
+        return self.closures[key]
+
+    def _make_step(self, kinds: tuple[LayerKind, ...], sampler: str):
+        model, sample_fn = self.model, self.sample_fn
+
+        def step(token, pos, key, inv_temperature, *buffers):
+            self.trace_count += 1  # Python runs only while tracing
+            views = [DecodeView(kind, buffers[2 * i], buffers[2 * i + 1], pos) for i, kind in enumerate(kinds)]
+            logits = model(token.reshape(1, 1), views)[:, -1, :].astype(mx.float32)
+            if sampler == "greedy":
+                next_token, next_key = mx.argmax(logits, axis=-1).astype(mx.uint32), key
+            else:
+                next_key, sub = mx.random.split(key)
+                next_token = sample_fn(logits, inv_temperature, sub)
+            out = [next_token, pos + 1, next_key]
+            for view in views:
+                out += [view.keys, view.values]
+            return tuple(out)
+
+        return step
