@@ -16,7 +16,7 @@ from .modeldir import ModelDirError
 from .jobspec import JobSpecError, load_job
 from .loader import WeightsError
 from .models.base import ConfigError
-from .resolve import ModelResolveError
+from .resolve import ModelResolveError, check_model_spec
 from .shards import OutputError
 from .tokenizer import TokenizerError
 
@@ -64,6 +64,7 @@ def validate(job_file):
     """Check JOB_FILE and its input without loading the model."""
     try:
         job = load_job(job_file)
+        check_model_spec(job.model)
         rows, _ = read_rows(job.input)
     except USER_ERRORS as e:
         _fail(e)

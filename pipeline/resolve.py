@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -81,6 +82,27 @@ def cached_sha256(path: Path) -> str:
         except OSError:
             pass  # a read-only cache only costs re-hashing
     return known[key]
+
+
+def check_model_spec(spec: str) -> None:
+    """Check the form of a model spec without downloading anything.
+
+    Raises:
+        ModelResolveError: not an alias, an existing .gguf file or model directory, or a repo id.
+    """
+    if spec in ALIASES:
+        return
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_file() and path.suffix == ".gguf" or path.is_dir() and (path / "config.json").is_file():
+            return
+    elif _REPO_ID.match(spec) or (spec.endswith(".gguf") and spec.count("/") == 2
+                                  and _REPO_ID.match(spec.rsplit("/", 1)[0])):
+        return
+    raise ModelResolveError(
+        f"model {spec!r} is not a built-in alias ({', '.join(ALIASES)}), an existing .gguf file or model "
+        "directory, or a Hugging Face repo id"
+    )
 
 
 def resolve_model(spec: str, *, pip_args: tuple[str, ...] = ()) -> Path:
@@ -167,6 +189,7 @@ def _hub_download(repo_id: str, filename: str | None) -> Path:
         import huggingface_hub
     except ImportError:
         raise ModelResolveError(f"model {repo_id!r}: huggingface_hub is not installed") from None
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry warnings; our error says why
     try:
         if filename is not None:
             return Path(huggingface_hub.hf_hub_download(repo_id, filename))

@@ -71,7 +71,8 @@ class RunSummary:
         tps = self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
         return (f"done: {self.rows_written} rows written ({self.rows_failed} failed, {self.rows_skipped} from earlier runs) "
                 f"in {self.elapsed_s:.1f} s, {self.completion_tokens} tokens generated ({tps:.1f} tok/s); "
-                f"{self.shards} shards in {self.out_dir}; {self.closures} compiled decode closures")
+                f"{self.shards} shard{'s' * (self.shards != 1)} in {self.out_dir}; "
+                f"{self.closures} compiled decode closure{'s' * (self.closures != 1)}")
 
 
 def fingerprint(job: JobSpec, model_id: dict) -> dict:
@@ -119,15 +120,17 @@ def generate_row(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int
 
 
 @contextmanager
-def _sigterm_raises():
-    def handler(signum, frame):
+def _signals_raise():
+    """SIGTERM raises ``Terminated``; SIGINT raises KeyboardInterrupt even if the process inherited it ignored."""
+    def on_term(signum, frame):
         raise Terminated()
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(signal.SIGTERM, on_term), signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
 
 
 def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = None, force: bool = False,
@@ -184,7 +187,7 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
     t0 = time.perf_counter()
     bar = tqdm(total=len(pending), unit="row", desc="generating", disable=not progress, dynamic_ncols=True)
     try:
-        with _sigterm_raises():
+        with _signals_raise():
             try:
                 for row in pending:
                     res = generate_row(lm, job, row)

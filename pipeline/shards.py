@@ -16,6 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 MANIFEST = "manifest.json"
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 FORMAT_VERSION = 1
 
 
@@ -36,6 +38,7 @@ def atomic_write(path: Path, write) -> None:
     rename it over ``path`` and fsync the directory: readers see the old file or the new one."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are ordinary files
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -90,3 +90,15 @@ def test_unknown_spec_and_wrong_files(tmp_path):
     txt.write_bytes(b"x")
     with pytest.raises(ModelResolveError, match="not a .gguf"):
         resolve_model(str(txt))
+
+
+def test_check_model_spec_without_downloading(tmp_path):
+    from pipeline.resolve import check_model_spec
+
+    for good in ("smollm2-135m-instruct", "owner/model", "owner/model/file.gguf"):
+        check_model_spec(good)
+    (tmp_path / "m.gguf").write_bytes(b"x")
+    check_model_spec(str(tmp_path / "m.gguf"))
+    for bad in ("no such model", "/nonexistent/dir/x.gguf", str(tmp_path)):
+        with pytest.raises(ModelResolveError, match="not a built-in alias"):
+            check_model_spec(bad)
