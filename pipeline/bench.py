@@ -19,7 +19,6 @@ import importlib
 import importlib.metadata
 import inspect
 import json
-import math
 import os
 import platform
 import statistics
@@ -75,7 +74,7 @@ RANDOM_SHAPES: dict[str, dict] = {
     # Not a real model: for tests (hidden from the CLI help).
     "tiny": {
         "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "rms_norm_eps": 1e-5,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 256, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": True,
     },
 }
@@ -110,11 +109,12 @@ def parse_cache_kind(text: str) -> dict:
     else:
         raise BenchError(f"unknown cache kind {name!r} (full, rotating:N, q8, q4, rotating-q8:N)")
     if bits is not None:
-        if bits not in ("2", "3", "4", "5", "6", "8"):
-            raise BenchError(f"cache kind {name!r}: KV bits must be 2, 3, 4, 5, 6 or 8")
+        if bits not in ("4", "8"):
+            raise BenchError(f"cache kind {name!r}: KV bits must be 4 or 8")
         bits = int(bits)
     if rotating != bool(size):
-        raise BenchError(f"cache kind {name!r}: {'rotating caches need :SIZE' if rotating else 'only rotating caches take :SIZE'}")
+        problem = "rotating caches need :SIZE" if rotating else "only rotating caches take :SIZE"
+        raise BenchError(f"cache kind {name!r}: {problem}")
     max_kv_size = None
     if rotating:
         if not size.isdigit() or int(size) < 1:
@@ -140,7 +140,10 @@ def _cache_spec(kind: dict):
         return None
     from .jobspec import CacheSpec
 
-    return CacheSpec(max_kv_size=kind["max_kv_size"], kv_bits=kind["kv_bits"], kv_group_size=64, quantized_kv_start=0)
+    spec = CacheSpec(max_kv_size=kind["max_kv_size"], kv_bits=kind["kv_bits"], kv_group_size=64, quantized_kv_start=0)
+    if hasattr(spec, "check"):
+        spec.check()
+    return spec
 
 
 # --- models ------------------------------------------------------------------------------------------
@@ -238,7 +241,8 @@ def peer_model(config: dict, weights: dict[str, mx.array], dtype: mx.Dtype) -> n
         if scales is None or not hasattr(module, "to_quantized"):
             return False
         in_features = module.weight.shape[-1]
-        return {"group_size": in_features // scales.shape[-1], "bits": w[f"{path}.weight"].shape[-1] * 32 // in_features}
+        return {"group_size": in_features // scales.shape[-1],
+                "bits": w[f"{path}.weight"].shape[-1] * 32 // in_features}
 
     nn.quantize(ref, class_predicate=quant_params)
     ref.load_weights(list(w.items()), strict=True)
@@ -432,11 +436,11 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
             continue
         for variant in run_variants:
             kwargs = {"prefill_step_size": prefill_step_size}
-            if features["cache_spec"]:
-                kwargs["cache_spec"] = _cache_spec(kind)
             if features["compile"]:
                 kwargs["compile"] = variant == "compiled"
             try:
+                if features["cache_spec"]:
+                    kwargs["cache_spec"] = _cache_spec(kind)
                 engine = Engine(ours, eos_token_ids=[], context_length=context, **kwargs)
             except (ValueError, NotImplementedError) as e:
                 skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"], "reason": str(e)})
@@ -469,11 +473,18 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                           "dequantized": False, "load_s": time.perf_counter() - t,
                           "prefill_step_size": prefill_step_size, "quantized_kv_start": 0,
                           "weight_read_bytes": weight_read_bytes(ref)})
-        own_caches = hasattr(ref, "make_cache")  # then mlx-lm ignores max_kv_size (the model's own layout)
+        from mlx_lm.models.cache import make_prompt_cache
+
         for kind in kinds:
             if kind["name"] not in ran_caches:
                 continue
-            windows = _kv_layout(args, None if own_caches else kind["max_kv_size"])
+            # mlx-lm's make_prompt_cache ignores max_kv_size for models with their own make_cache.
+            windows = [getattr(c, "max_size", None) for c in make_prompt_cache(ref, max_kv_size=kind["max_kv_size"])]
+            same_layout = windows == _kv_layout(args, kind["max_kv_size"])
+            if not same_layout:
+                notes.append(f"cache {kind['name']}: mlx-lm's prompt cache for this model has another layout "
+                             f"(per-layer windows {sorted(set(windows), key=str)}): its make_prompt_cache ignores "
+                             f"max_kv_size for models with their own make_cache")
             for n in prompt_tokens:
                 row = row_base("mlx-lm", "generate_step", kind, n)
                 try:
@@ -483,6 +494,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                     skipped.append({**row, "reason": f"mlx-lm: {type(e).__name__}: {e}"})
                     continue
                 del row["after_warmup"]
+                row["cache_layout_matches_ours"] = same_layout
                 row["compiled"] = False
                 row["weight_read_bytes"] = peer_info["weight_read_bytes"]
                 row["kv_read_bytes"] = kv_read_bytes(args, windows, n, max_tokens, dtype, kind["kv_bits"])
@@ -509,6 +521,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
             "decode_tps": a["decode_tps"] / b["decode_tps"] if a["decode_tps"] and b["decode_tps"] else None,
             "prefill_tps": a["prefill_tps"] / b["prefill_tps"],
             "ttft_s": a["ttft_s"] / b["ttft_s"],
+            "same_cache_layout": p["cache_layout_matches_ours"],
         }
 
     doc = {
@@ -573,14 +586,17 @@ def format_table(doc: dict) -> str:
         variant = r["variant"]
         if r["impl"] == "pipeline" and r.get("compiled") is False and variant == "compiled":
             variant += "(fell back: eager)"
+        mark = "*" if vp.get("same_cache_layout") is False else ""
         lines.append([r["impl"], variant, r["cache"], str(r["prompt_tokens"]), f"{r['warmup_s']:.2f}",
                       f"{m['ttft_s'] * 1e3:.1f}", f"{m['prefill_tps']:.1f}", _fmt(m["decode_tps"], ".1f"),
-                      _fmt(r["bandwidth_gbps"], ".2f"), _fmt(vp.get("decode_tps"), ".2f"),
-                      _fmt(vp.get("prefill_tps"), ".2f"), _fmt(vp.get("ttft_s"), ".2f")])
+                      _fmt(r["bandwidth_gbps"], ".2f"), _fmt(vp.get("decode_tps"), ".2f") + mark,
+                      _fmt(vp.get("prefill_tps"), ".2f") + mark, _fmt(vp.get("ttft_s"), ".2f") + mark])
     widths = [max(len(c), *(len(line[i]) for line in lines)) if lines else len(c) for i, c in enumerate(cols)]
     def fmt_line(cells):
         return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     out = head + ["", fmt_line(cols)] + [fmt_line(line) for line in lines]
+    if any(r.get("cache_layout_matches_ours") is False for r in doc["rows"]):
+        out.append("*: mlx-lm ran another cache layout for this kind (see the notes); not like for like")
     for sk in doc["skipped"]:
         what = " ".join(f"{k}={sk[k]}" for k in ("impl", "variant", "cache", "prompt_tokens") if k in sk)
         out.append(f"skipped: {what}: {sk['reason']}")
