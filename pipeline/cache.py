@@ -491,7 +491,7 @@ def make_caches(model, spec=None) -> list:
         head_dim = _head_dim(model)
         if group_size not in (32, 64, 128) or head_dim % group_size != 0:
             raise CacheConfigError(
-                f"kv_group_size {group_size} does not divide the model's head_dim {head_dim} "
+                f"cache.kv_group_size {group_size} does not divide the model's head_dim {head_dim} "
                 f"(kv_group_size must be 32, 64 or 128 and divide head_dim)")
     out = []
     for c in caches:

@@ -72,6 +72,9 @@ def convert_gguf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700
     try:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -89,6 +89,7 @@ class Engine:
         self.context_length = context_length
         self.prefill_step_size = prefill_step_size
         self.cache = make_caches(model, cache_spec)
+        self.max_kv_size = getattr(cache_spec, "max_kv_size", None)
         self.compile = compile
         self.closures = ClosureSet(model, categorical)
         self._logged: set[str] = set()
@@ -124,10 +125,13 @@ class Engine:
             start += step
         return self.model(prompt[None, start:], self.cache, last_only=True)[:, -1, :]
 
-    def _note(self, reason: str) -> None:
-        if reason not in self._logged:
-            self._logged.add(reason)
-            log.warning("decoding eagerly: %s", reason)
+    def _note(self, reason: str, kind: str = "eager") -> None:
+        """Log ``reason`` once per engine (``kind`` "eager": why decode runs uncompiled; one
+        "window" warning per engine)."""
+        tag = reason if kind == "eager" else kind
+        if tag not in self._logged:
+            self._logged.add(tag)
+            log.warning("decoding eagerly: %s" if kind == "eager" else "%s", reason)
 
     def _compiled_stepper(self, n_prompt: int, max_tokens: int, params: GenerateParams, key):
         """A function ``y -> next y`` running the compiled step, or None (reason logged) if it can't."""
@@ -178,6 +182,9 @@ class Engine:
         if n_prompt >= self.context_length:
             raise ValueError(f"prompt has {n_prompt} tokens; the model's context is {self.context_length}")
         max_tokens = min(params.max_tokens, self.context_length - n_prompt)
+        if self.max_kv_size is not None and n_prompt > self.max_kv_size:
+            self._note(f"a prompt of {n_prompt} tokens is longer than cache.max_kv_size {self.max_kv_size}: "
+                       "its first tokens (the system turn, say) are out of the attention window", "window")
         self.reset()
         mx.reset_peak_memory()
         key = mx.random.key(params.seed) if params.temperature > 0 else None

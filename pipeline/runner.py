@@ -69,7 +69,7 @@ class RunSummary:
         if self.rows_written == 0 and self.complete:
             return f"nothing to do: all {self.rows_total} rows are already committed in {self.out_dir}"
         tps = self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
-        return (f"done: {self.rows_written} rows written ({self.rows_failed} failed, {self.rows_skipped} from earlier runs) "
+        return (f"done: {self.rows_written} row{'s' * (self.rows_written != 1)} written ({self.rows_failed} failed, {self.rows_skipped} from earlier runs) "
                 f"in {self.elapsed_s:.1f} s, {self.completion_tokens} tokens generated ({tps:.1f} tok/s); "
                 f"{self.shards} shard{'s' * (self.shards != 1)} in {self.out_dir}; "
                 f"{self.closures} compiled decode closure{'s' * (self.closures != 1)}")
