@@ -6,6 +6,9 @@ import dataclasses
 import types
 import typing
 
+import mlx.core as mx
+import mlx.nn as nn
+
 
 class ConfigError(ValueError):
     """A model config lacks a required key or has a wrong value."""
@@ -57,3 +60,34 @@ def _matches(value, tp) -> bool:
 def _type_name(tp) -> str:
     return " or ".join("null" if o is type(None) else getattr(typing.get_origin(o) or o, "__name__", str(o))
                        for o in _options(tp))
+
+
+class SwiGLU(nn.Module):
+    """The gated SiLU MLP of Llama and Qwen: ``down(silu(gate(x)) * up(x))``; ``(..., dim) -> (..., dim)``."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def output_logits(lm: nn.Module, h: mx.array, last_only: bool) -> mx.array:
+    """Logits from final hidden states ``h`` ``(B, L, hidden)``: through ``lm.lm_head`` when the model has
+    one, else the tied embedding ``lm.model.embed_tokens``; only the last position when ``last_only``."""
+    if last_only:
+        h = h[:, -1:, :]
+    if "lm_head" in lm:
+        return lm.lm_head(h)
+    return lm.model.embed_tokens.as_linear(h)
+
+
+def drop_unused(weights: dict[str, mx.array], tied: bool) -> dict[str, mx.array]:
+    """Drop tensors a model does not load: precomputed RoPE tables, and ``lm_head`` when tied."""
+    weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+    if tied:
+        weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+    return weights

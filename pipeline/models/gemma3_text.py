@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache, RotatingKVCache
-from .base import BaseModelArgs, ConfigError
+from .base import BaseModelArgs, ConfigError, output_logits
 from .rope import make_rope
 
 
@@ -167,12 +167,7 @@ class Model(nn.Module):
         self.tie_word_embeddings = False
 
     def __call__(self, inputs: mx.array, cache: list, last_only: bool = False) -> mx.array:
-        h = self.model(inputs, cache)
-        if last_only:
-            h = h[:, -1:, :]
-        if self.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return output_logits(self, self.model(inputs, cache), last_only)
 
     def make_cache(self) -> list:
         """One cache per layer: ``RotatingKVCache(sliding_window)`` for sliding layers, ``KVCache`` for

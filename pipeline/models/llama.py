@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
-from .base import BaseModelArgs
+from .base import BaseModelArgs, SwiGLU, drop_unused, output_logits
 from .rope import make_rope
 
 
@@ -67,23 +67,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        dim, hidden, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, dim, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden, bias=bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, args.mlp_bias)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -122,12 +110,7 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache: list[KVCache], last_only: bool = False) -> mx.array:
-        h = self.model(inputs, cache)
-        if last_only:
-            h = h[:, -1:, :]
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return output_logits(self, self.model(inputs, cache), last_only)
 
     def make_cache(self) -> list[KVCache]:
         """One cache per layer (all full caches for Llama)."""
@@ -135,7 +118,4 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop tensors the model does not use (precomputed RoPE tables, a tied lm_head)."""
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
+        return drop_unused(weights, self.args.tie_word_embeddings)

@@ -13,8 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
-from .base import BaseModelArgs
-from .llama import MLP
+from .base import BaseModelArgs, SwiGLU, drop_unused, output_logits
 from .rope import make_rope
 
 
@@ -37,7 +36,7 @@ class ModelArgs(BaseModelArgs):
     # Architecture constants, not config keys (ClassVar keeps them out of from_dict).
     qkv_bias: ClassVar[bool] = True
     qk_norm: ClassVar[bool] = False
-    mlp_bias: ClassVar[bool] = False  # read by llama.MLP
+    mlp_bias: ClassVar[bool] = False
 
     @property
     def head_dim(self) -> int:
@@ -85,7 +84,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.mlp = SwiGLU(args.hidden_size, args.intermediate_size, args.mlp_bias)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
@@ -124,12 +123,7 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache: list[KVCache], last_only: bool = False) -> mx.array:
-        h = self.model(inputs, cache)
-        if last_only:
-            h = h[:, -1:, :]
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return output_logits(self, self.model(inputs, cache), last_only)
 
     def make_cache(self) -> list[KVCache]:
         """One full cache per layer."""
@@ -137,7 +131,4 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop tensors the model does not use (precomputed RoPE tables, a tied lm_head)."""
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
+        return drop_unused(weights, self.args.tie_word_embeddings)
