@@ -77,11 +77,34 @@ class DecodeView:
         return fetch(self.keys), fetch(self.values)
 
 
-def layer_kind(cache) -> LayerKind:
-    quantized = getattr(cache, "bits", None) is not None
-    keys = cache.keys[0] if quantized else cache.keys
-    return LayerKind(quantized, keys.shape[2], getattr(cache, "max_size", None),
+def layer_capacity(cache, needed: int) -> int:
+    """Slots the compiled step uses for ``needed`` positions: ``capacity_bucket(needed)``, at most the
+    cache's window. It depends only on the request, never on buffers grown by earlier prompts, so
+    results do not depend on what ran before (attention sums over the same number of slots)."""
+    cap = capacity_bucket(needed)
+    return min(cap, cache.max_size) if getattr(cache, "max_size", None) else cap
+
+
+def layer_kind(cache, capacity: int) -> LayerKind:
+    return LayerKind(getattr(cache, "bits", None) is not None, capacity, getattr(cache, "max_size", None),
                      getattr(cache, "bits", None), getattr(cache, "group_size", None))
+
+
+def head(buffer, n: int):
+    """The first ``n`` slots of a cache buffer (an array or a quantized triple), a view when smaller."""
+    if isinstance(buffer, tuple):
+        return tuple(head(b, n) for b in buffer)
+    return buffer if buffer.shape[2] == n else buffer[..., :n, :]
+
+
+def put_head(buffer, new):
+    """``buffer`` with its first slots replaced by ``new`` (same kind, fewer or equal slots)."""
+    if isinstance(buffer, tuple):
+        return tuple(put_head(b, x) for b, x in zip(buffer, new))
+    if buffer.shape[2] == new.shape[2]:
+        return new
+    buffer[..., : new.shape[2], :] = new
+    return buffer
 
 
 def decode_blocker(caches, n_prompt: int, max_tokens: int) -> str | None:

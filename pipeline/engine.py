@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .cache import make_caches
-from .compiled import ClosureSet, capacity_bucket, decode_blocker, layer_kind
+from .compiled import ClosureSet, decode_blocker, head, layer_capacity, layer_kind, put_head
 from .sampler import categorical, sample
 
 log = logging.getLogger("pipeline")
@@ -139,9 +139,10 @@ class Engine:
         if reason:
             self._note(reason)
             return None
-        for c in self.cache:
-            c.reserve(capacity_bucket(n_prompt + max_tokens))
-        kinds = tuple(layer_kind(c) for c in self.cache)
+        caps = [layer_capacity(c, n_prompt + max_tokens) for c in self.cache]
+        for c, cap in zip(self.cache, caps):
+            c.reserve(cap)
+        kinds = tuple(layer_kind(c, cap) for c, cap in zip(self.cache, caps))
         sampler = "greedy" if params.temperature == 0 else "sample"
         if (kinds, sampler) in self.closures.broken:
             return None
@@ -149,7 +150,7 @@ class Engine:
         state = {
             "pos": mx.array(n_prompt, dtype=mx.int32),
             "key": key if key is not None else mx.random.key(0),
-            "buffers": [b for c in self.cache for b in (c.keys, c.values)],
+            "buffers": [head(b, cap) for c, cap in zip(self.cache, caps) for b in (c.keys, c.values)],
         }
         inv_temperature = mx.array(1.0 / params.temperature if params.temperature > 0 else 1.0, dtype=mx.float32)
 
@@ -159,8 +160,9 @@ class Engine:
             return out[0]
 
         def finish(n_steps: int):
-            for i, c in enumerate(self.cache):
-                c.keys, c.values = state["buffers"][2 * i], state["buffers"][2 * i + 1]
+            for i, c in enumerate(self.cache):  # larger buffers of earlier prompts are kept, not shrunk
+                c.keys = put_head(c.keys, state["buffers"][2 * i])
+                c.values = put_head(c.values, state["buffers"][2 * i + 1])
                 c.offset += n_steps
 
         return advance, finish, (kinds, sampler)
