@@ -61,12 +61,17 @@ class DecodeView:
         slot = self.offset % self.kind.window if self.kind.window else self.offset
         return slot.reshape(1)
 
+    def _written_only(self, x: mx.array) -> mx.array:
+        """``x`` with the slots not written for this request zeroed: whatever an earlier request left
+        there can never reach the attention output (0 * inf would be NaN)."""
+        return mx.where(self.make_mask(1)[:, None], x, mx.zeros((), x.dtype))
+
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         slot, kind = self._slot(), self.kind
         if not kind.quantized:
             self.keys = mx.slice_update(self.keys, k, slot, axes=(2,))
             self.values = mx.slice_update(self.values, v, slot, axes=(2,))
-            return self.keys, self.values
+            return self._written_only(self.keys), self._written_only(self.values)
 
         def store(buffers, x):
             parts = mx.quantize(x, group_size=kind.group_size, bits=kind.bits)
@@ -74,7 +79,7 @@ class DecodeView:
 
         self.keys, self.values = store(self.keys, k), store(self.values, v)
         fetch = lambda b: mx.dequantize(*b, group_size=kind.group_size, bits=kind.bits).astype(k.dtype)  # noqa: E731
-        return fetch(self.keys), fetch(self.values)
+        return self._written_only(fetch(self.keys)), self._written_only(fetch(self.values))
 
 
 def layer_capacity(cache, needed: int) -> int:
