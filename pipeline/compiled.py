@@ -112,11 +112,11 @@ def put_head(buffer, new):
     return buffer
 
 
-def decode_blocker(caches, n_prompt: int, max_tokens: int) -> str | None:
-    """Why the compiled step cannot run this generation (None if it can)."""
+def decode_blocker(caches) -> str | None:
+    """Why the compiled step cannot run from the caches' current state (None if it can)."""
     for i, c in enumerate(caches):
-        if getattr(c, "bits", None) is not None and not getattr(c, "quantized", True):
-            return f"layer {i}: the KV cache switches to quantized storage during this generation (quantized_kv_start)"
+        if c.bits is not None and not c.quantized:
+            return f"layer {i}: the KV cache is not yet quantized when decoding starts (quantized_kv_start)"
         if not hasattr(c, "reserve"):
             return f"layer {i}: cache {type(c).__name__} has no fixed-capacity layout"
     return None

@@ -135,7 +135,7 @@ class Engine:
 
     def _compiled_stepper(self, n_prompt: int, max_tokens: int, params: GenerateParams, key):
         """A function ``y -> next y`` running the compiled step, or None (reason logged) if it can't."""
-        reason = decode_blocker(self.cache, n_prompt, max_tokens)
+        reason = decode_blocker(self.cache)
         if reason:
             self._note(reason)
             return None
