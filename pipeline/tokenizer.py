@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -68,7 +69,8 @@ class Tokenizer:
 
     Attributes:
         bos_token_id: id of the beginning-of-sequence token, or None.
-        eos_token_ids: every id that ends a generation (a sorted tuple of ints).
+        eos_token_ids: every id that ends a generation (a sorted tuple of ints): the declared EOS ids
+            plus the chat template's end-of-turn token (see ``_end_of_turn_id``).
         add_bos_token: whether a BOS token is prepended to prompts (the model's own setting).
         chat_template: jinja2 source of the chat template, or None.
     """
@@ -84,9 +86,12 @@ class Tokenizer:
     ):
         self._hf = hf
         self.bos_token_id = bos_token_id
-        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
+        declared = list(eos_token_ids)
+        self._eos_id = declared[0] if declared else None  # the model's own EOS: `eos_token` in templates
+        eot = _end_of_turn_id(hf, chat_template, self.bos_token, self.eos_token)
+        self.eos_token_ids = tuple(sorted(set(declared) | ({eot} if eot is not None else set())))
 
     @property
     def vocab_size(self) -> int:
@@ -98,7 +103,15 @@ class Tokenizer:
 
     @property
     def eos_token(self) -> str:
-        return self._hf.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        """Text of the first declared EOS id (the tokenizer's own ``eos_token``), or ""."""
+        return "" if self._eos_id is None else self._hf.id_to_token(self._eos_id)
+
+    @cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """Text of every special added token (those ``encode`` turns into their ids only with
+        ``parse_special``), longest first."""
+        added = self._hf.get_added_tokens_decoder().values()
+        return tuple(sorted({t.content for t in added if t.special and t.content}, key=lambda c: (-len(c), c)))
 
     def encode(self, text: str, *, parse_special: bool = False, add_bos: bool = False) -> list[int]:
         """Token ids of ``text``.
@@ -250,6 +263,39 @@ class Tokenizer:
             add_bos_token=bool(_scalar(add_bos)) if add_bos is not None else False,
             chat_template=md.get("tokenizer.chat_template"),
         )
+
+
+# Contents of the probe conversation: plain words no template rewrites and no tokenizer merges with markup.
+_PROBE_USER, _PROBE_ASSISTANT = "pipelineProbeUserTurn", "pipelineProbeAssistantTurn"
+
+
+def _end_of_turn_id(hf: HFTokenizer, template: str | None, bos_token: str, eos_token: str) -> int | None:
+    """The id of the special token that the chat template writes right after an assistant message.
+
+    Renders a user + assistant conversation (``add_generation_prompt=False``) and takes the text after
+    the assistant's content; if, after optional whitespace (Llama 2 writes ``' ' + eos_token``), it starts
+    with a special added token (ChatML ``<|im_end|>``, Llama 3 ``<|eot_id|>``, Gemma ``<end_of_turn>``),
+    returns that token's id (the longest one matching). Chat models end their replies with this token,
+    which some models do not declare as EOS.
+
+    Returns:
+        The id, or None: no template, a template that fails on this conversation, or no special token there.
+    """
+    if not template:
+        return None
+    messages = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
+    try:
+        text = render_chat_template(template, messages, add_generation_prompt=False,
+                                    bos_token=bos_token, eos_token=eos_token)
+    except Exception:  # templates raise anything (their own errors, TypeError, ...); the declared EOS ids stand
+        return None
+    at = text.rfind(_PROBE_ASSISTANT)
+    if at < 0:
+        return None
+    after = text[at + len(_PROBE_ASSISTANT):].lstrip()
+    specials = [(t.content, i) for i, t in hf.get_added_tokens_decoder().items() if t.special and t.content]
+    matches = [(len(content), i) for content, i in specials if after.startswith(content)]
+    return max(matches)[1] if matches else None
 
 
 def _token_content(value) -> str | None:

@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from pipeline.modeldir import ModelDirError
+from pipeline.modeldir import ModelDirError, read_model_dir
 from mlx.utils import tree_flatten, tree_unflatten
 from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -222,6 +222,15 @@ def test_eos_ids_are_the_union_of_every_declaration(tmp_path, weights):
     assert lm.config["eos_token_id"] == sorted({EOS, EOT, 7, IM_END})
 
 
+def test_eos_ids_union_with_single_int_declarations(tmp_path, weights):
+    d = make_dir(tmp_path / "m", weights, config={**CONFIG, "eos_token_id": EOT}, generation_config={"eos_token_id": 7},
+                 tokenizer_config={"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})
+    md = read_model_dir(d)
+    # </s> from tokenizer_config, EOT from config.json, 7 from generation_config, <|im_end|> from the template.
+    assert md.tokenizer.eos_token_ids == tuple(sorted({EOS, EOT, 7, IM_END}))
+    assert md.config["eos_token_id"] == sorted({EOS, EOT, 7, IM_END})
+
+
 def test_chat_template_from_jinja_file(tmp_path, weights):
     d = make_dir(tmp_path / "m", weights, tokenizer_config={"bos_token": "<s>", "eos_token": "</s>"})
     assert load(d).tokenizer.chat_template is None
@@ -259,7 +268,8 @@ def test_describe_float_directory(tmp_path, weights):
     assert (info["hidden_size"], info["num_hidden_layers"], info["num_attention_heads"],
             info["num_key_value_heads"], info["head_dim"], info["context_length"]) == (64, 2, 4, 2, 16, 256)
     assert info["cache_layout"] == "2 x KVCache"
-    assert info["eos_token_ids"] == [EOS] and info["eos_tokens"] == ["</s>"]
+    # </s> declared; <|im_end|> is the template's end-of-turn token.
+    assert info["eos_token_ids"] == [EOS, IM_END] and info["eos_tokens"] == ["</s>", "<|im_end|>"]
     assert (info["bos_token_id"], info["bos_token"], info["add_bos_token"]) == (BOS, "<s>", False)
     assert info["chat_template"] is True
     text = format_description(info)
