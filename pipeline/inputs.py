@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import glob
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .jobspec import InputSpec
+from .jobspec import ROW_OVERRIDES, InputSpec
 
 
 class InputError(ValueError):
@@ -25,12 +25,15 @@ class InputRow:
         id: the row's id (the id column's value, or ``index``).
         prompt: user text, or None.
         messages: chat conversation (list of ``{"role", "content"}``), or None.
+        overrides: the row's non-null generation overrides, ``{column: value}`` (see
+            ``jobspec.ROW_OVERRIDES``); checked when the row is generated.
     """
 
     index: int
     id: int | str
     prompt: str | None
     messages: list[dict] | None
+    overrides: dict = field(default_factory=dict)
 
 
 def input_files(path: str) -> list[Path]:
@@ -72,10 +75,40 @@ def _is_messages(t: pa.DataType) -> bool:
     )
 
 
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def _is_list_of(ok):
+    return lambda t: (pa.types.is_list(t) or pa.types.is_large_list(t)) and ok(t.value_type)
+
+
+# What an override column may hold (type name for messages, predicate).
+_OVERRIDE_TYPES = {
+    "stop": ("string or list<string>", lambda t: _is_string(t) or _is_list_of(_is_string)(t)),
+    "stop_token_ids": ("list<integer>", _is_list_of(pa.types.is_integer)),
+    **{k: ("integer", _is_number) for k in ("max_tokens", "min_tokens", "n", "top_k", "seed")},
+}
+
+
+def override_columns(spec: InputSpec, names) -> list[str]:
+    """The input columns among ``names`` that set generation keys per row (none unless
+    ``spec.row_overrides``; the id/prompt/messages columns never do)."""
+    if not spec.row_overrides:
+        return []
+    taken = {spec.id_column, spec.prompt_column, spec.messages_column}
+    return [c for c in ROW_OVERRIDES if c in names and c not in taken]
+
+
 def read_table(spec: InputSpec, limit: int | None = None) -> pa.Table:
-    """The input as one table of only the needed columns, first ``limit`` rows (if given)."""
+    """The input as one table of only the needed columns (and any override columns), first ``limit``
+    rows (if given)."""
     files = input_files(spec.path)
     columns = list(dict.fromkeys(c for c in (spec.id_column, spec.prompt_column, spec.messages_column) if c))
+    try:
+        columns += override_columns(spec, pq.read_schema(files[0]).names)
+    except (OSError, pa.ArrowException):
+        pass  # reported for this file below
     tables = []
     n = 0
     for f in files:
@@ -86,7 +119,7 @@ def read_table(spec: InputSpec, limit: int | None = None) -> pa.Table:
         missing = [c for c in columns if c not in schema.names]
         if missing:
             key = {spec.id_column: "input.id_column", spec.prompt_column: "input.prompt_column",
-                   spec.messages_column: "input.messages_column"}[missing[0]]
+                   spec.messages_column: "input.messages_column"}.get(missing[0], "per-row override")
             raise InputError(f"{key}: column {missing[0]!r} not found in {f} (columns: {', '.join(schema.names)})")
         tables.append(pq.read_table(f, columns=columns))
         n += tables[-1].num_rows
@@ -119,6 +152,11 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
     if spec.messages_column:
         _check_column(table, spec.messages_column, "input.messages_column",
                       "list<struct<role: string, content: string>>", _is_messages)
+    overrides = {}
+    for name in override_columns(spec, table.column_names):
+        kind, ok = _OVERRIDE_TYPES.get(name, ("number", _is_number))
+        _check_column(table, name, "per-row override", kind, ok)
+        overrides[name] = table.column(name).to_pylist()
     n = table.num_rows
     if spec.id_column:
         _check_column(table, spec.id_column, "input.id_column", "integer or string",
@@ -140,5 +178,6 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
         id_type, ids = pa.int64(), list(range(n))
     prompts = table.column(spec.prompt_column).to_pylist() if spec.prompt_column else [None] * n
     messages = table.column(spec.messages_column).to_pylist() if spec.messages_column else [None] * n
-    rows = [InputRow(index=i, id=ids[i], prompt=prompts[i], messages=messages[i]) for i in range(n)]
+    rows = [InputRow(index=i, id=ids[i], prompt=prompts[i], messages=messages[i],
+                     overrides={k: v[i] for k, v in overrides.items() if v[i] is not None}) for i in range(n)]
     return rows, id_type

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -35,6 +36,12 @@ class InputSpec:
         system_prompt: system turn prepended when a conversation has none.
         apply_chat_template: render prompts with the model's chat template.
         limit: use only the first ``limit`` input rows.
+        parse_special_tokens: when false (the default), special-token text inside prompt and message
+            content (a user string containing ``<|im_end|>``, say) is encoded as plain text, so input
+            data cannot forge chat turns; only the chat template's own markup yields special tokens.
+            True encodes the whole rendered prompt with special tokens parsed, as HF transformers does.
+        row_overrides: input columns named like generation keys (``ROW_OVERRIDES``: max_tokens,
+            temperature, stop, ...) set that key for their row where non-null; false ignores them.
     """
 
     path: str
@@ -44,6 +51,8 @@ class InputSpec:
     system_prompt: str | None = None
     apply_chat_template: bool = True
     limit: int | None = None
+    parse_special_tokens: bool = False
+    row_overrides: bool = True
 
     def check(self):
         if self.prompt_column is None and self.messages_column is None:
@@ -56,29 +65,120 @@ class InputSpec:
 
 @dataclass
 class GenerationSpec:
-    """Sampling settings (vLLM ``SamplingParams`` names).
+    """Sampling and stop settings; names, meanings and ranges as vLLM's ``SamplingParams`` (see
+    ``pipeline.engine.GenerateParams`` for each field's exact effect).
 
     Attributes:
-        max_tokens: most tokens generated per row (>= 1).
+        max_tokens: most tokens generated per sample (>= 1).
+        min_tokens: tokens generated before EOS, stop tokens or stop strings may end a sample.
+        n: samples per input row (output rows with ``sample_index`` 0..n-1).
         temperature: 0 is greedy; > 0 samples.
+        top_p: nucleus sampling mass in (0, 1]; 1 is off.
+        top_k: keep the k most likely tokens; 0 or -1 is off.
+        min_p: in [0, 1]; 0 is off.
+        repetition_penalty: > 0; 1 is off.
+        presence_penalty: in [-2, 2]; 0 is off.
+        frequency_penalty: in [-2, 2]; 0 is off.
         seed: job seed; each (seed, row id, sample index) gets its own derived seed.
+        stop: strings that end a sample (a single string is accepted).
+        stop_token_ids: token ids that end a sample besides the model's EOS ids.
+        include_stop_str_in_output: keep the matched stop string in the completion.
         ignore_eos: keep generating past EOS (benchmarks).
         skip_special_tokens: drop special tokens from the completion text.
+        logprobs: None (off) or k in [0, 20]: each generated token's logprob plus the k most likely
+            alternatives, as list columns.
     """
 
     max_tokens: int = 128
+    min_tokens: int = 0
+    n: int = 1
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int = 0
+    stop: list[str] | str = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
 
-    def check(self):
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    def check(self, where: str = "generation."):
+        """Range checks; ``where`` prefixes the key in messages (an input column for row overrides).
+
+        Raises:
+            JobSpecError: the first value out of range.
+        """
+        def bad(key, rule, value):
+            raise JobSpecError(f"{where}{key} must be {rule}, got {value!r}")
+
+        finite = lambda v: v == v and abs(v) != float("inf")  # noqa: E731
         if self.max_tokens < 1:
-            raise JobSpecError(f"generation.max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.temperature < float("inf"):
-            raise JobSpecError(f"generation.temperature must be a finite number >= 0, got {self.temperature}")
+            bad("max_tokens", ">= 1", self.max_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f">= 0 and <= max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.n < 1:
+            bad("n", ">= 1", self.n)
+        if not (finite(self.temperature) and self.temperature >= 0):
+            bad("temperature", "a finite number >= 0", self.temperature)
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]", self.top_p)
+        if self.top_k < -1:
+            bad("top_k", "-1, 0 (off) or >= 1", self.top_k)
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]", self.min_p)
+        if not (finite(self.repetition_penalty) and self.repetition_penalty > 0):
+            bad("repetition_penalty", "a finite number > 0", self.repetition_penalty)
+        for key in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, key) <= 2:
+                bad(key, "in [-2, 2]", getattr(self, key))
         if not 0 <= self.seed < 2**63:
-            raise JobSpecError(f"generation.seed must be in [0, 2**63), got {self.seed}")
+            bad("seed", "in [0, 2**63)", self.seed)
+        for i, s in enumerate(self.stop):
+            if not s:
+                bad(f"stop[{i}]", "a non-empty string", s)
+        for i, t in enumerate(self.stop_token_ids):
+            if t < 0:
+                bad(f"stop_token_ids[{i}]", ">= 0", t)
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", "null or in [0, 20]", self.logprobs)
+
+
+# Generation keys an input column of the same name may set per row.
+ROW_OVERRIDES = ("max_tokens", "min_tokens", "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids")
+
+
+def with_overrides(spec: GenerationSpec, overrides: dict) -> GenerationSpec:
+    """``spec`` with one row's override values (``{column: value}``, nulls already dropped), type- and
+    range-checked like the job file.
+
+    Raises:
+        JobSpecError: naming the column, e.g. "input column 'temperature' must be ...".
+    """
+    if not overrides:
+        return spec
+    hints = typing.get_type_hints(GenerationSpec)
+    values = {}
+    for name, value in overrides.items():
+        where = f"input column {name!r}"
+        if hints[name] is int and isinstance(value, float) and value.is_integer():
+            value = int(value)  # integer columns with nulls often arrive as float64 (pandas)
+        values[name] = _check_value(value, hints[name], where)
+    out = dataclasses.replace(spec, **values)
+    try:
+        out.check(where="input column ")
+    except JobSpecError as e:
+        raise JobSpecError(re.sub(r"^input column (\w+)", r"input column '\1'", str(e))) from None
+    return out
 
 
 @dataclass
@@ -181,6 +281,10 @@ def _check_value(value, tp, where: str):
                 return None
             raise JobSpecError(f"{where} must not be null")
         options = [a for a in args if a is not type(None)]
+        for inner in options:  # the option of the value's own type gives the clearest message
+            base = dict if dataclasses.is_dataclass(inner) else typing.get_origin(inner) or inner
+            if isinstance(value, base) and not (base is int and isinstance(value, bool)):
+                return _check_value(value, inner, where)
         for inner in options[:-1]:
             try:
                 return _check_value(value, inner, where)
@@ -192,6 +296,11 @@ def _check_value(value, tp, where: str):
         return _check_value(value, options[-1], where)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise JobSpecError(f"{where} must be a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_check_value(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
