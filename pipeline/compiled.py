@@ -3,10 +3,10 @@ every prompt of a job.
 
 The step runs the unmodified model forward against *views* of the real caches (``DecodeView``), so the
 compiled graph is the production op sequence by construction. Everything that changes per step enters
-as an ``mx.array`` (the position, the random key, the cache buffers), never as a Python int, so a
+as an ``mx.array`` (the position, the sampler's random key and penalty state, the cache buffers), never as a Python int, so a
 closure is traced once and replayed (MLX bakes Python scalars into the trace; mlx issue 3964). What
 changes the traced graph — each layer's cache kind, capacity, window and quantization, and the
-sampler kind — is the closure's key.
+``SamplerKind`` — is the closure's key.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+from .sampler import SamplerKind, sample_step
 
 log = logging.getLogger("pipeline")
 
@@ -125,35 +127,36 @@ def decode_blocker(caches) -> str | None:
 class ClosureSet:
     """Compiled decode steps keyed by graph shape, shared by every generation of one engine.
 
-    ``trace_count`` counts traces (it grows only when a new key is met); ``broken`` holds keys whose
-    compilation failed, with the reason, so they are not retried.
+    A step is ``step(token, pos, *consts, *state, *buffers)`` -> ``(next_token, pos + 1, *state,
+    *logprobs, *buffers)`` with ``consts``, ``state`` and ``logprobs`` as in
+    ``pipeline.sampler.sample_step``. ``trace_count`` counts traces (it grows only when a new key is
+    met); ``broken`` holds keys whose compilation failed, with the reason, so they are not retried.
     """
 
-    def __init__(self, model, sample_fn: Callable):
-        self.model, self.sample_fn = model, sample_fn
+    N_CONSTS, N_STATE = 9, 4
+
+    def __init__(self, model):
+        self.model = model
         self.closures: dict[tuple, Callable] = {}
         self.broken: dict[tuple, str] = {}
         self.trace_count = 0
 
-    def get(self, kinds: tuple[LayerKind, ...], sampler: str) -> Callable:
+    def get(self, kinds: tuple[LayerKind, ...], sampler: SamplerKind) -> Callable:
         key = (kinds, sampler)
         if key not in self.closures:
             self.closures[key] = mx.compile(self._make_step(kinds, sampler))
         return self.closures[key]
 
-    def _make_step(self, kinds: tuple[LayerKind, ...], sampler: str):
-        model, sample_fn = self.model, self.sample_fn
+    def _make_step(self, kinds: tuple[LayerKind, ...], sampler: SamplerKind):
+        model, nc, ns = self.model, self.N_CONSTS, self.N_STATE
 
-        def step(token, pos, key, inv_temperature, *buffers):
+        def step(token, pos, *args):
             self.trace_count += 1  # Python runs only while tracing
+            consts, state, buffers = args[:nc], args[nc : nc + ns], args[nc + ns :]
             views = [DecodeView(kind, buffers[2 * i], buffers[2 * i + 1], pos) for i, kind in enumerate(kinds)]
-            logits = model(token.reshape(1, 1), views)[:, -1, :].astype(mx.float32)
-            if sampler == "greedy":
-                next_token, next_key = mx.argmax(logits, axis=-1).astype(mx.uint32), key
-            else:
-                next_key, sub = mx.random.split(key)
-                next_token = sample_fn(logits, inv_temperature, sub)
-            out = [next_token, pos + 1, next_key]
+            logits = model(token.reshape(1, 1), views)[:, -1, :]
+            next_token, state, extras = sample_step(sampler, logits, consts, state)
+            out = [next_token, pos + 1, *state, *extras]
             for view in views:
                 out += [view.keys, view.values]
             return tuple(out)

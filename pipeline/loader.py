@@ -99,6 +99,7 @@ class LoadedModel:
             prefill_step_size=prefill_step_size,
             cache_spec=cache_spec,
             compile=compile,
+            tokenizer=tokenizer,
         )
 
     def logprobs(self, token_ids: list[int]) -> np.ndarray:
@@ -106,17 +107,18 @@ class LoadedModel:
         logits = self.engine.forward(list(token_ids))
         return np.array(logits - mx.logsumexp(logits), dtype=np.float32)
 
-    def generate(self, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
-                 apply_chat_template: bool = True) -> str:
-        """Completion text for one user ``prompt`` (wrapped in the chat template unless told not to)."""
+    def generate(self, prompt: str, *, apply_chat_template: bool = True, **params) -> str:
+        """Completion text for one user ``prompt`` (wrapped in the chat template unless told not to).
+
+        ``params`` are ``GenerateParams`` fields (max_tokens defaults to 64 here).
+        """
         tok = self.tokenizer
         if apply_chat_template:
             text = tok.apply_chat_template([{"role": "user", "content": prompt}])
             ids = tok.encode(text, parse_special=True, add_bos=tok.add_bos_token)
         else:
             ids = tok.encode(prompt, add_bos=tok.add_bos_token)
-        gen = self.engine.generate(ids, GenerateParams(max_tokens=max_tokens, temperature=temperature, seed=seed))
-        return tok.decode(gen.token_ids, skip_special_tokens=True)
+        return self.engine.generate(ids, GenerateParams(**{"max_tokens": 64, **params})).text
 
 
 def model_identity(spec: str, path: Path) -> dict:

@@ -70,6 +70,33 @@ def test_sampling_compiled_equals_eager(gemma3):
     assert compiled.compiled and compiled.token_ids == eager.token_ids
 
 
+SAMPLERS = [
+    ("penalties-greedy", dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4)),
+    ("top-k-top-p-min-p", dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, seed=5)),
+    ("all", dict(temperature=0.7, top_k=40, top_p=0.95, repetition_penalty=1.2, frequency_penalty=0.3,
+                 min_tokens=10, seed=7, logprobs=3)),
+    ("min-tokens-logprobs-greedy", dict(min_tokens=20, logprobs=0)),
+]
+
+
+@pytest.mark.parametrize("name, params", SAMPLERS, ids=[n for n, _ in SAMPLERS])
+def test_sampler_kinds_compiled_equal_eager(gemma3, name, params):
+    """Every sampler variant runs inside the compiled step and gives eager's tokens and logprobs."""
+    prompt = list(range(3, 43))
+    eager = Engine(gemma3, [], 512, compile=False)
+    compiled = Engine(gemma3, [], 512, compile=True)
+    p = GenerateParams(max_tokens=48, **params)
+    a, b = eager.generate(prompt, p), compiled.generate(prompt, p)
+    assert b.compiled and b.token_ids == a.token_ids
+    assert len(set(b.token_ids)) > 5
+    if p.logprobs is not None:
+        assert len(b.logprobs) == len(b.token_ids) == len(b.top_token_ids)
+        assert all(len(t) == p.logprobs for t in b.top_token_ids)
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+        assert b.top_token_ids == a.top_token_ids
+    assert compiled.trace_count == 1
+
+
 def test_no_retrace_and_closures_reused_across_prompts(gemma3):
     engine = Engine(gemma3, [], 512)
     engine.generate(list(range(3, 20)), GenerateParams(max_tokens=30, ignore_eos=True))

@@ -211,6 +211,61 @@ def test_one_of_several_eos_ids_stops(model, greedy_path, no_eos):
     assert g.token_ids == greedy_path[: greedy_path.index(eos)]
 
 
+def test_stop_reason_is_the_stopping_token_id(model, greedy_path, no_eos):
+    eos = greedy_path[1]
+    g = Engine(model, eos_token_ids=[*no_eos, eos], context_length=CONTEXT).generate(PROMPT, GenerateParams(max_tokens=12))
+    assert g.stop_reason == eos
+    g = Engine(model, eos_token_ids=no_eos, context_length=CONTEXT).generate(PROMPT, GenerateParams(max_tokens=5))
+    assert g.finish_reason == "length" and g.stop_reason is None
+
+
+def test_stop_token_ids_end_generation_like_eos(model, greedy_path, no_eos):
+    stop = greedy_path[3]
+    first = greedy_path.index(stop)
+    for compile in (True, False):
+        engine = Engine(model, eos_token_ids=no_eos, context_length=CONTEXT, compile=compile)
+        g = engine.generate(PROMPT, GenerateParams(max_tokens=12, stop_token_ids=(stop,)))
+        assert (g.finish_reason, g.stop_reason, g.stop_token_id) == ("stop", stop, stop)
+        assert g.token_ids == greedy_path[:first]
+        # ignore_eos does not turn off explicit stop tokens
+        g = engine.generate(PROMPT, GenerateParams(max_tokens=12, stop_token_ids=(stop,), ignore_eos=True))
+        assert g.token_ids == greedy_path[:first]
+
+
+@pytest.mark.parametrize("compile", [True, False])
+def test_min_tokens_keeps_eos_out_until_reached(model, greedy_path, compile):
+    eos = greedy_path[1]
+    engine = Engine(model, eos_token_ids=[eos], context_length=CONTEXT, compile=compile)
+    g = engine.generate(PROMPT, GenerateParams(max_tokens=12, min_tokens=6))
+    assert len(g.token_ids) >= 6
+    assert eos not in g.token_ids
+    assert g.token_ids[:1] == greedy_path[:1]  # before EOS would have been picked, nothing changes
+    if g.finish_reason == "stop":
+        assert g.stop_token_id == eos
+
+
+def test_logprobs_match_full_sequence_logits(model, no_eos):
+    engine = Engine(model, eos_token_ids=no_eos, context_length=CONTEXT)
+    g = engine.generate(PROMPT, GenerateParams(max_tokens=6, temperature=0.9, seed=3, logprobs=2))
+    logits = full_logits(model, PROMPT + g.token_ids)
+    ref = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    for i, tok in enumerate(g.token_ids):
+        row = ref[len(PROMPT) - 1 + i]
+        assert g.logprobs[i] == pytest.approx(row[tok], abs=1e-4)
+        assert g.top_token_ids[i] == np.argsort(-row)[:2].tolist()
+        assert g.top_logprobs[i] == pytest.approx(np.sort(row)[::-1][:2].tolist(), abs=1e-4)
+
+
+def test_logprobs_off_by_default(model, no_eos):
+    g = Engine(model, eos_token_ids=no_eos, context_length=CONTEXT).generate(PROMPT, GenerateParams(max_tokens=3))
+    assert g.logprobs is None and g.top_token_ids is None
+
+
+def test_stop_strings_need_a_tokenizer(model, no_eos):
+    with pytest.raises(ValueError, match="tokenizer"):
+        Engine(model, eos_token_ids=no_eos, context_length=CONTEXT).generate(PROMPT, GenerateParams(stop=("x",)))
+
+
 def test_same_seed_same_tokens_different_seed_different_tokens(model, no_eos):
     engine = Engine(model, eos_token_ids=no_eos, context_length=CONTEXT)
     p = dict(max_tokens=16, temperature=1.0)
