@@ -17,7 +17,11 @@ class Result:
         sample_index: 0..n-1 for the samples of one row.
         prompt: the user text (last user turn of a conversation).
         completion: generated text (None when the row failed).
-        finish_reason: "stop" (EOS) or "length" (max_tokens / context); None when the row failed.
+        finish_reason: "stop" (EOS, a stop token or a stop string) or "length" (max_tokens / context);
+            None when the row failed.
+        stop_reason: what stopped it (vLLM's ``stop_reason``): the matched stop string, or the id of the
+            EOS / stop token written as decimal text (a Parquet column has one type); None for "length".
+        stop_token_id: the EOS / stop token id that ended the sample, or None.
         prompt_tokens: prompt length in tokens.
         completion_tokens: generated tokens (EOS excluded).
         ttft_s: seconds from the start of prefill to the first generated token.
@@ -28,6 +32,10 @@ class Result:
         compiled: whether decode ran through the compiled closure set (None when the row failed).
         seed: the row's sampling seed (derived from the job seed, id and sample index).
         error: why the row failed, or None.
+        logprobs: natural-log probability of each generated token (``generation.logprobs`` set), in
+            the raw model distribution.
+        top_token_ids: per generated token, the ``generation.logprobs`` most likely ids, most likely first.
+        top_logprobs: their log probabilities.
     """
 
     id: int | str
@@ -35,6 +43,8 @@ class Result:
     prompt: str | None
     completion: str | None
     finish_reason: str | None
+    stop_reason: str | None
+    stop_token_id: int | None
     prompt_tokens: int | None
     completion_tokens: int | None
     ttft_s: float | None
@@ -45,6 +55,9 @@ class Result:
     compiled: bool | None
     seed: int
     error: str | None
+    logprobs: list[float] | None = None
+    top_token_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
 
 
 _TYPES = {
@@ -52,6 +65,8 @@ _TYPES = {
     "prompt": pa.string(),
     "completion": pa.string(),
     "finish_reason": pa.string(),
+    "stop_reason": pa.string(),
+    "stop_token_id": pa.int64(),
     "prompt_tokens": pa.int32(),
     "completion_tokens": pa.int32(),
     "ttft_s": pa.float64(),
@@ -62,6 +77,9 @@ _TYPES = {
     "compiled": pa.bool_(),
     "seed": pa.int64(),
     "error": pa.string(),
+    "logprobs": pa.list_(pa.float32()),
+    "top_token_ids": pa.list_(pa.list_(pa.int32())),
+    "top_logprobs": pa.list_(pa.list_(pa.float32())),
 }
 _NOT_NULL = {"id", "sample_index", "seed"}
 
