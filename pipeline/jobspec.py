@@ -40,6 +40,8 @@ class InputSpec:
             content (a user string containing ``<|im_end|>``, say) is encoded as plain text, so input
             data cannot forge chat turns; only the chat template's own markup yields special tokens.
             True encodes the whole rendered prompt with special tokens parsed, as HF transformers does.
+        truncate: a prompt that does not fit the model's context (with room for one generated token):
+            "error" fails the row; "left" drops its first tokens (keeping BOS); "right" drops its last.
         row_overrides: input columns named like generation keys (``ROW_OVERRIDES``: max_tokens,
             temperature, stop, ...) set that key for their row where non-null; false ignores them.
     """
@@ -52,6 +54,7 @@ class InputSpec:
     apply_chat_template: bool = True
     limit: int | None = None
     parse_special_tokens: bool = False
+    truncate: str = "error"
     row_overrides: bool = True
 
     def check(self):
@@ -59,6 +62,8 @@ class InputSpec:
             raise JobSpecError("input: set prompt_column or messages_column")
         if self.limit is not None and self.limit < 1:
             raise JobSpecError(f"input.limit must be >= 1, got {self.limit}")
+        if self.truncate not in ("error", "left", "right"):
+            raise JobSpecError(f"input.truncate must be error, left or right, got {self.truncate!r}")
         if self.messages_column and not self.apply_chat_template:
             raise JobSpecError("input.messages_column needs input.apply_chat_template: true")
 
@@ -246,14 +251,19 @@ class OutputSpec:
     Attributes:
         dir: output directory (shards ``part-NNNNN.parquet`` and ``manifest.json``).
         shard_size: rows per shard.
+        flush_seconds: commit the rows finished so far after this many seconds even if the shard is not
+            full, so a crash loses at most this much work.
     """
 
     dir: str
     shard_size: int = 16
+    flush_seconds: float = 300.0
 
     def check(self):
         if self.shard_size < 1:
             raise JobSpecError(f"output.shard_size must be >= 1, got {self.shard_size}")
+        if not 0 < self.flush_seconds < float("inf"):
+            raise JobSpecError(f"output.flush_seconds must be a number > 0, got {self.flush_seconds}")
 
 
 @dataclass

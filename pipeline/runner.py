@@ -6,6 +6,7 @@ import dataclasses
 import signal
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,7 +189,7 @@ def _signals_raise():
 
 
 def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = None, force: bool = False,
-            progress: bool = True, echo=print) -> RunSummary:
+            progress: bool = True, echo=print, on_result: Callable[[Result], None] | None = None) -> RunSummary:
     """Run (or resume) a job.
 
     Each input row gives ``n`` output rows (``sample_index`` 0..n-1); those whose ``(id, sample_index)``
@@ -203,6 +204,7 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
         force: resume even if the job's fingerprint changed.
         progress: show a tqdm progress bar on stderr.
         echo: where status lines go.
+        on_result: called with each finished ``Result`` (before it is committed).
 
     Raises:
         InputError, OutputError, ModelResolveError, GGUFError, TokenizerError: before any generation.
@@ -251,6 +253,8 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
                         prompt_of = (row.index, _build_or_error(row, job, lm))
                     res = generate_row(lm, job, row, k, gen, prompt_of[1])
                     buffer.append(res)
+                    if on_result is not None:
+                        on_result(res)
                     summary.rows_failed += res.error is not None
                     summary.completion_tokens += res.completion_tokens or 0
                     elapsed = time.perf_counter() - t0
