@@ -1,5 +1,14 @@
 """Command line: ``pipeline run JOB``, ``validate JOB``, ``convert SRC DST``, ``inspect MODEL``, ``bench``. Each
-command parses and calls a plain function."""
+command parses and calls a plain function.
+
+Errors print one ``error: ...`` line per problem on stderr. ``run`` and ``validate`` exit 2 for a problem with
+the job or its inputs, found before the model loads (``JOB_ERRORS``): the job file (every bad key at once), a
+model spec naming no alias, file, directory or repo id, the input files and columns, an output dir holding
+other files or another job's results; fixing the job file or data is the remedy and ``validate`` finds the
+same problems. Every other failure exits 1: downloading or hashing the model, a model that cannot be loaded
+(corrupt file, unknown architecture), and job settings only the loaded model can refute (``cache.kv_group_size``
+not dividing its head_dim, ``input.apply_chat_template`` without a chat template). Failed rows are not errors.
+"""
 
 from __future__ import annotations
 
@@ -25,15 +34,40 @@ USER_ERRORS = (CacheConfigError, JobSpecError, InputError, OutputError, ModelRes
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
+class ModelSpecError(ModelResolveError):
+    """``check_model_spec`` rejected the job's model spec (a job problem, unlike a failed download)."""
+
+
+JOB_ERRORS = (JobSpecError, InputError, OutputError, ModelSpecError)  # exit 2; see the module docstring
+
+
+def _check_model_spec(spec: str) -> None:
+    try:
+        check_model_spec(spec)
+    except ModelResolveError as e:
+        raise ModelSpecError(str(e)) from None
+
+
+def _print_error(e: Exception) -> None:
+    for line in str(e).splitlines() or [type(e).__name__]:
+        click.echo(f"error: {line}", err=True)
+
+
 def _fail(e: Exception):
-    click.echo(f"error: {e}", err=True)
-    sys.exit(1)
+    """Print ``e`` (one line per problem) and exit 2 for ``JOB_ERRORS``, else 1."""
+    _print_error(e)
+    sys.exit(2 if isinstance(e, JOB_ERRORS) else 1)
 
 
 @click.group()
 @click.version_option(package_name="pipeline")
 def main():
-    """Batch offline text generation on MLX."""
+    """Batch offline text generation on MLX.
+
+    Errors print `error: ...` lines on stderr. run and validate exit 2 for problems with the job or its
+    inputs (job file, model spec, input files and columns, output dir), found before the model loads, and 1
+    for other failures (model download or loading).
+    """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
 
 
@@ -49,6 +83,7 @@ def run(job_file, output_dir, limit, force, no_progress):
 
     try:
         job = load_job(job_file)
+        _check_model_spec(job.model)
         summary = run_job(job, output_dir=output_dir, limit=limit, force=force, progress=not no_progress,
                           echo=click.echo)
     except USER_ERRORS as e:
@@ -58,17 +93,65 @@ def run(job_file, output_dir, limit, force, no_progress):
         sys.exit(EXIT_CODES[summary.interrupted])
 
 
+def validate_job(job_file: str) -> tuple[list[Exception], str]:
+    """Every problem with a job found without loading the model: the job file, the model spec's form, the
+    input files and columns, and the output dir (foreign files, or another job's results: comparing with
+    those resolves the model, which may download it).
+
+    Returns:
+        (problems, summary): the problems (``JOB_ERRORS``) and, when there are none, the ok line
+        (input rows, output rows = samples planned over the rows, model, output dir).
+
+    Raises:
+        ModelResolveError, ...: resolving the model for the output-dir comparison failed (not a job problem).
+    """
+    from .runner import check_output_dir, plan_samples
+
+    try:
+        job = load_job(job_file)
+    except JobSpecError as e:
+        return [e], ""
+    problems, rows, model_ok = [], None, True
+    try:
+        _check_model_spec(job.model)
+    except ModelSpecError as e:
+        problems.append(e)
+        model_ok = False
+    try:
+        rows, _ = read_rows(job.input)
+    except InputError as e:
+        problems.append(e)
+    try:
+        check_output_dir(job)
+    except OutputError as e:
+        problems.append(e)
+    except ModelResolveError:
+        if model_ok:
+            raise  # a well-formed spec that cannot be fetched; a bad one is reported above
+    if problems:
+        return problems, ""
+    n_out = len(plan_samples(job, rows))
+    return [], (f"ok: {job_file}: {len(rows)} input rows ({n_out} output rows, n={job.generation.n}), "
+                f"model {job.model}, output {job.output.dir}")
+
+
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 def validate(job_file):
-    """Check JOB_FILE and its input without loading the model."""
+    """Check JOB_FILE, its model spec, input and output dir without loading the model.
+
+    Prints every problem (one `error:` line each) and exits 2, or prints an ok line with the number of
+    input and output rows. Exits 1 when the model cannot be fetched to compare with an existing output dir.
+    """
     try:
-        job = load_job(job_file)
-        check_model_spec(job.model)
-        rows, _ = read_rows(job.input)
+        problems, line = validate_job(job_file)
     except USER_ERRORS as e:
         _fail(e)
-    click.echo(f"ok: {job_file}: {len(rows)} input rows, model {job.model}, output {job.output.dir}")
+    for e in problems:
+        _print_error(e)
+    if problems:
+        sys.exit(2)
+    click.echo(line)
 
 
 @main.command()

@@ -20,7 +20,23 @@ from .resolve import DEFAULT_MODEL
 
 
 class JobSpecError(ValueError):
-    """The job file is invalid; the message names the offending key."""
+    """The job file is invalid.
+
+    Attributes:
+        problems: one line per problem, each naming its key path (``str(error)`` joins them with newlines).
+    """
+
+    def __init__(self, problems: str | list[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class _Problems(list):
+    """Problems found by a ``check()``; ``raise_any()`` raises them together as one ``JobSpecError``."""
+
+    def raise_any(self):
+        if self:
+            raise JobSpecError(self)
 
 
 @dataclass
@@ -58,14 +74,17 @@ class InputSpec:
     row_overrides: bool = True
 
     def check(self):
+        """Raises: JobSpecError: every value out of range."""
+        bad = _Problems()
         if self.prompt_column is None and self.messages_column is None:
-            raise JobSpecError("input: set prompt_column or messages_column")
+            bad.append("input: set prompt_column or messages_column")
         if self.limit is not None and self.limit < 1:
-            raise JobSpecError(f"input.limit must be >= 1, got {self.limit}")
+            bad.append(f"input.limit must be >= 1, got {self.limit}")
         if self.truncate not in ("error", "left", "right"):
-            raise JobSpecError(f"input.truncate must be error, left or right, got {self.truncate!r}")
+            bad.append(f"input.truncate must be error, left or right, got {self.truncate!r}")
         if self.messages_column and not self.apply_chat_template:
-            raise JobSpecError("input.messages_column needs input.apply_chat_template: true")
+            bad.append("input.messages_column needs input.apply_chat_template: true")
+        bad.raise_any()
 
 
 @dataclass
@@ -120,10 +139,12 @@ class GenerationSpec:
         """Range checks; ``where`` prefixes the key in messages (an input column for row overrides).
 
         Raises:
-            JobSpecError: the first value out of range.
+            JobSpecError: every value out of range, one problem each.
         """
+        problems = _Problems()
+
         def bad(key, rule, value):
-            raise JobSpecError(f"{where}{key} must be {rule}, got {value!r}")
+            problems.append(f"{where}{key} must be {rule}, got {value!r}")
 
         finite = lambda v: v == v and abs(v) != float("inf")  # noqa: E731
         if self.max_tokens < 1:
@@ -155,6 +176,7 @@ class GenerationSpec:
                 bad(f"stop_token_ids[{i}]", ">= 0", t)
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", "null or in [0, 20]", self.logprobs)
+        problems.raise_any()
 
 
 # Generation keys an input column of the same name may set per row.
@@ -167,22 +189,26 @@ def with_overrides(spec: GenerationSpec, overrides: dict) -> GenerationSpec:
     range-checked like the job file.
 
     Raises:
-        JobSpecError: naming the column, e.g. "input column 'temperature' must be ...".
+        JobSpecError: one problem per bad column, naming it, e.g. "input column 'temperature' must be ...".
     """
     if not overrides:
         return spec
     hints = typing.get_type_hints(GenerationSpec)
-    values = {}
+    values, problems = {}, _Problems()
     for name, value in overrides.items():
         where = f"input column {name!r}"
         if hints[name] is int and isinstance(value, float) and value.is_integer():
             value = int(value)  # integer columns with nulls often arrive as float64 (pandas)
-        values[name] = _check_value(value, hints[name], where)
+        try:
+            values[name] = _check_value(value, hints[name], where)
+        except JobSpecError as e:
+            problems += e.problems
+    problems.raise_any()
     out = dataclasses.replace(spec, **values)
     try:
         out.check(where="input column ")
     except JobSpecError as e:
-        raise JobSpecError(re.sub(r"^input column (\w+)", r"input column '\1'", str(e))) from None
+        raise JobSpecError([re.sub(r"^input column (\w+)", r"input column '\1'", p) for p in e.problems]) from None
     return out
 
 
@@ -205,12 +231,15 @@ class EngineSpec:
     compile: bool = True
 
     def check(self):
+        """Raises: JobSpecError: every value out of range."""
+        bad = _Problems()
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise JobSpecError(f"engine.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+            bad.append(f"engine.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.dequantize not in (True, False, "auto"):
-            raise JobSpecError(f"engine.dequantize must be true, false or auto, got {self.dequantize!r}")
+            bad.append(f"engine.dequantize must be true, false or auto, got {self.dequantize!r}")
         if self.prefill_step_size < 1:
-            raise JobSpecError(f"engine.prefill_step_size must be >= 1, got {self.prefill_step_size}")
+            bad.append(f"engine.prefill_step_size must be >= 1, got {self.prefill_step_size}")
+        bad.raise_any()
 
 
 @dataclass
@@ -234,14 +263,17 @@ class CacheSpec:
     quantized_kv_start: int = 0
 
     def check(self):
+        """Raises: JobSpecError: every value out of range."""
+        bad = _Problems()
         if self.max_kv_size is not None and self.max_kv_size < 1:
-            raise JobSpecError(f"cache.max_kv_size must be >= 1, got {self.max_kv_size}")
+            bad.append(f"cache.max_kv_size must be >= 1, got {self.max_kv_size}")
         if self.kv_bits is not None and self.kv_bits not in (4, 8):
-            raise JobSpecError(f"cache.kv_bits must be 4 or 8, got {self.kv_bits}")
+            bad.append(f"cache.kv_bits must be 4 or 8, got {self.kv_bits}")
         if self.kv_group_size not in (32, 64, 128):
-            raise JobSpecError(f"cache.kv_group_size must be 32, 64 or 128, got {self.kv_group_size}")
+            bad.append(f"cache.kv_group_size must be 32, 64 or 128, got {self.kv_group_size}")
         if self.quantized_kv_start < 0:
-            raise JobSpecError(f"cache.quantized_kv_start must be >= 0, got {self.quantized_kv_start}")
+            bad.append(f"cache.quantized_kv_start must be >= 0, got {self.quantized_kv_start}")
+        bad.raise_any()
 
 
 @dataclass
@@ -260,10 +292,13 @@ class OutputSpec:
     flush_seconds: float = 300.0
 
     def check(self):
+        """Raises: JobSpecError: every value out of range."""
+        bad = _Problems()
         if self.shard_size < 1:
-            raise JobSpecError(f"output.shard_size must be >= 1, got {self.shard_size}")
+            bad.append(f"output.shard_size must be >= 1, got {self.shard_size}")
         if not 0 < self.flush_seconds < float("inf"):
-            raise JobSpecError(f"output.flush_seconds must be a number > 0, got {self.flush_seconds}")
+            bad.append(f"output.flush_seconds must be a number > 0, got {self.flush_seconds}")
+        bad.raise_any()
 
 
 @dataclass
@@ -282,7 +317,11 @@ class JobSpec:
 
 
 def _check_value(value, tp, where: str):
-    """Check ``value`` against annotation ``tp``; returns the value (ints accepted as floats)."""
+    """Check ``value`` against annotation ``tp``; returns the value (ints accepted as floats).
+
+    Raises:
+        JobSpecError: the value's problems (all of a nested mapping's or list's, one otherwise).
+    """
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -310,7 +349,14 @@ def _check_value(value, tp, where: str):
         if not isinstance(value, (list, tuple)):
             raise JobSpecError(f"{where} must be a list, got {type(value).__name__} {value!r}")
         (item,) = typing.get_args(tp)
-        return [_check_value(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        out, problems = [], _Problems()
+        for i, v in enumerate(value):
+            try:
+                out.append(_check_value(v, item, f"{where}[{i}]"))
+            except JobSpecError as e:
+                problems += e.problems
+        problems.raise_any()
+        return out
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
@@ -319,26 +365,44 @@ def _check_value(value, tp, where: str):
 
 
 def _build(cls, data, where: str):
+    """The dataclass ``cls`` from mapping ``data`` (at key path ``where``).
+
+    Raises:
+        JobSpecError: every problem found: unknown and missing keys, wrong types, and the range
+            checks of ``cls.check()`` (run with defaults in place of the keys of the wrong type).
+    """
     if not isinstance(data, dict):
         raise JobSpecError(f"{where or 'job'} must be a mapping, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    problems = _Problems()
     for key in data:
         if key not in fields:
             path = f"{where}.{key}" if where else str(key)
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(fields)})"
-            raise JobSpecError(f"unknown key {path!r}{hint}")
+            problems.append(f"unknown key {path!r}{hint}")
     kwargs = {}
     for name, f in fields.items():
         path = f"{where}.{name}" if where else name
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if name in data:
-            kwargs[name] = _check_value(data[name], hints[name], path)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise JobSpecError(f"missing required key {path!r}")
+            try:
+                kwargs[name] = _check_value(data[name], hints[name], path)
+                continue
+            except JobSpecError as e:
+                problems += e.problems
+        elif required:
+            problems.append(f"missing required key {path!r}")
+        if required:
+            kwargs[name] = None  # a placeholder so that check() still reports the other keys' problems
     obj = cls(**kwargs)
     if hasattr(obj, "check"):
-        obj.check()
+        try:
+            obj.check()
+        except JobSpecError as e:
+            problems += e.problems
+    problems.raise_any()
     return obj
 
 
@@ -346,7 +410,8 @@ def job_from_dict(data: dict) -> JobSpec:
     """Validate a parsed job mapping into a ``JobSpec``.
 
     Raises:
-        JobSpecError: unknown keys, wrong types, out-of-range values, missing required keys.
+        JobSpecError: every unknown key, wrong type, out-of-range value and missing required key, one
+            problem each (``problems``).
     """
     return _build(JobSpec, data, "")
 
@@ -355,7 +420,8 @@ def load_job(path: str | Path) -> JobSpec:
     """Read and validate a YAML job file.
 
     Raises:
-        JobSpecError: unreadable file, invalid YAML, or an invalid job (message names the key).
+        JobSpecError: unreadable file, invalid YAML, or an invalid job: one problem per line, each
+            starting with the file's path and naming the key.
     """
     path = Path(path)
     try:
@@ -367,4 +433,4 @@ def load_job(path: str | Path) -> JobSpec:
     try:
         return job_from_dict(data if data is not None else {})
     except JobSpecError as e:
-        raise JobSpecError(f"{path}: {e}") from None
+        raise JobSpecError([f"{path}: {p}" for p in e.problems]) from None

@@ -28,15 +28,26 @@ class Prompt:
     token_ids: list[int]
 
 
+# Message roles accepted (OpenAI's chat roles; "developer" is its newer name for "system").
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
 def _check_messages(messages) -> list[dict]:
     """Copies of the messages without None-valued keys (Arrow gives every struct field to every message,
-    None where a source message lacked it); other keys (``name``, ``tool_calls``, ...) pass through."""
+    None where a source message lacked it); other keys (``name``, ``tool_calls``, ...) pass through.
+
+    Raises:
+        RowError: no messages, a message without string ``role`` and ``content``, or a role not in
+            ``ROLES`` (system, user, assistant, tool, developer).
+    """
     if not messages:
         raise RowError("messages is empty")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise RowError(f"messages[{i}] needs string 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise RowError(f"messages[{i}]: unknown role {m['role']!r} (expected {', '.join(ROLES[:-1])} or {ROLES[-1]})")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 
@@ -116,8 +127,9 @@ def build_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer) -> Prompt
     there.
 
     Raises:
-        RowError: null or empty prompt, malformed messages, a template that rejects them or that cuts up
-            special-token text of the messages.
+        RowError: null or empty prompt, malformed messages (empty, a message without string role and
+            content, a role other than system, user, assistant, tool or developer), a template that rejects
+            them or that cuts up special-token text of the messages.
     """
     if row.messages is not None:
         messages = _check_messages(row.messages)

@@ -253,7 +253,7 @@ def test_cli_validate(tmp_path):
         "input:\n  path: data_samples/prompts.parquet\noutput:\n  dir: runs/x\ngeneration:\n  temprature: 0.5\n"
     )
     proc = _pipeline_cli("validate", str(bad))
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ")
