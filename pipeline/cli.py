@@ -77,20 +77,36 @@ def main():
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N input rows.")
 @click.option("--force", is_flag=True, help="Resume even if the job's settings or model changed.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-def run(job_file, output_dir, limit, force, no_progress):
-    """Run JOB_FILE, or resume it where an earlier run stopped."""
+@click.option("--retry-failed", is_flag=True, help="Generate the committed rows whose error is set again, replacing them.")
+@click.option("--failed-exit-code", type=click.IntRange(0, 255), default=3, show_default=True,
+              help="Exit status when the output holds failed rows (0: treat them as success).")
+def run(job_file, output_dir, limit, force, no_progress, retry_failed, failed_exit_code):
+    """Run JOB_FILE, or resume it where an earlier run stopped.
+
+    Exit status: 0 all rows done; FAILED_EXIT_CODE (3) done but some rows failed (see their error
+    column; --retry-failed redoes them); 2 a problem with the job or its input (nothing generated);
+    1 another error (model download or load); 130 / 143 stopped by SIGINT / SIGTERM (run again to
+    resume).
+    """
     from .runner import run_job
 
     try:
         job = load_job(job_file)
         _check_model_spec(job.model)
-        summary = run_job(job, output_dir=output_dir, limit=limit, force=force, progress=not no_progress,
-                          echo=click.echo)
+        summary = run_job(job, output_dir=output_dir, limit=limit, force=force, retry_failed=retry_failed,
+                          progress=not no_progress, echo=click.echo)
     except USER_ERRORS as e:
         _fail(e)
+    except KeyboardInterrupt:
+        click.echo("interrupted before generation started; nothing new was committed", err=True)
+        sys.exit(EXIT_CODES["SIGINT"])
     click.echo(summary.line())
     if summary.interrupted:
         sys.exit(EXIT_CODES[summary.interrupted])
+    if summary.failed_total:
+        click.echo(f"{summary.failed_total} row(s) failed (error column set); "
+                   "fix the input and run with --retry-failed to redo them", err=True)
+        sys.exit(failed_exit_code)
 
 
 def validate_job(job_file: str) -> tuple[list[Exception], str]:

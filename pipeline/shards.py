@@ -1,15 +1,22 @@
 """Committed output: Parquet shards plus a JSON manifest, each replaced atomically.
 
 A row is committed once its shard is durable and listed in the manifest: the shard is written to a
-temporary file, fsynced and renamed; then the manifest is rewritten the same way. Files in the output
-directory that the manifest does not list are never read as results.
+temporary file, fsynced and renamed (``write_shard``); then the manifest is rewritten the same way
+(``ShardStore.commit_entries``). Producing shards and committing them are separate steps so that
+several workers can write shards while one process, the only manifest writer, commits them. Files
+in the output directory that the manifest does not list are never read as results: leftover
+temporary files and shards of an interrupted run are removed when the store is opened, and reported.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import re
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +25,8 @@ import pyarrow.parquet as pq
 MANIFEST = "manifest.json"
 _UMASK = os.umask(0)
 os.umask(_UMASK)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_SHARD_NAME = re.compile(r"part-\d{5,}\.parquet")
 
 
 class OutputError(RuntimeError):
@@ -63,78 +71,220 @@ def diff_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def write_shard(out_dir: str | Path, name: str, table: pa.Table) -> dict:
+    """Write ``table`` durably as ``out_dir/name`` (temporary file, fsync, rename, directory fsync).
+
+    Safe to call from any process; nothing is committed until the returned entry is passed to
+    ``ShardStore.commit_entries``.
+
+    Returns:
+        The manifest entry ``{"file", "rows", "bytes", "sha256"}``.
+    """
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    data = buf.getvalue()
+    atomic_write(Path(out_dir) / name, lambda f: f.write(data))
+    return {"file": name, "rows": table.num_rows, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@dataclass
+class OpenReport:
+    """What opening an output directory found and cleaned up.
+
+    Attributes:
+        temporaries: leftover temporary files removed (an interrupted atomic write).
+        orphans: shard files not listed in the manifest, removed (written by a run that was killed before
+            committing them; their rows were not committed and are generated again).
+    """
+
+    temporaries: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+
+
+def read_manifest(out_dir: str | Path) -> dict | None:
+    """The manifest of ``out_dir``, or None if there is none.
+
+    Raises:
+        OutputError: the manifest exists but is not a readable manifest.
+    """
+    path = Path(out_dir) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(manifest.get("shards"), list):
+            raise ValueError("no shards list")
+    except (ValueError, AttributeError, OSError) as e:
+        raise OutputError(f"{path}: unreadable manifest ({e})") from None
+    return manifest
+
+
+def check_output_dir(out_dir: str | Path, fingerprint: dict, *, force: bool = False) -> dict | None:
+    """Check, without changing anything, that ``out_dir`` can hold this job's results: it is missing,
+    empty, or holds a manifest with the same fingerprint (any fingerprint when ``force``).
+
+    Returns:
+        The existing manifest, or None.
+
+    Raises:
+        OutputError: a non-empty directory without a manifest, an unreadable manifest, or a different
+            fingerprint (the message lists the differing fields).
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputError(f"output.dir {str(out_dir)!r} is a file, not a directory")
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        foreign = [p.name for p in out_dir.iterdir() if not p.name.startswith(".")] if out_dir.exists() else []
+        if foreign:
+            raise OutputError(
+                f"output.dir {str(out_dir)!r} is not empty and has no {MANIFEST} "
+                f"(found {', '.join(sorted(foreign)[:5])}); choose an empty or new directory"
+            )
+        return None
+    changed = diff_fields(manifest.get("fingerprint", {}), fingerprint)
+    if changed and not force:
+        raise OutputError(
+            f"{out_dir} holds results of a different job (changed: {', '.join(changed)}); "
+            "use another output dir, or --force to continue anyway"
+        )
+    return manifest
+
+
 class ShardStore:
-    """The output directory of one job.
+    """The output directory of one job; the only writer of its manifest.
+
+    Opening it removes leftover temporary files and uncommitted shard files (see ``report``) and checks
+    that every committed shard is present with its recorded size.
 
     Args:
         out_dir: the directory (created if missing).
         fingerprint: what determines the outputs (model hash, generation settings, ...); a resume with a
             different fingerprint is refused unless ``force``.
-        force: continue despite a different fingerprint (recorded in the manifest).
+        force: continue despite a different fingerprint (recorded in the manifest under ``forced``).
 
     Raises:
-        OutputError: the directory holds files but no manifest, the manifest is unreadable, or the
-            fingerprint differs (the message lists the differing fields).
+        OutputError: see ``check_output_dir``; or a committed shard is missing or has another size.
     """
 
     def __init__(self, out_dir: str | Path, fingerprint: dict, *, force: bool = False):
         self.dir = Path(out_dir)
+        manifest = check_output_dir(self.dir, fingerprint, force=force)
         self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / MANIFEST
-        if path.exists():
-            try:
-                self.manifest = json.loads(path.read_text(encoding="utf-8"))
-                self.manifest["shards"]
-            except (ValueError, KeyError) as e:
-                raise OutputError(f"{path}: unreadable manifest ({e})") from None
-            changed = diff_fields(self.manifest.get("fingerprint", {}), fingerprint)
-            if changed and not force:
-                raise OutputError(
-                    f"{self.dir} holds results of a different job (changed: {', '.join(changed)}); "
-                    "use another output dir, or --force to continue anyway"
-                )
-            if changed:
-                self.manifest.setdefault("forced", []).append({"changed": changed, "previous": self.manifest["fingerprint"]})
-                self.manifest["fingerprint"] = fingerprint
-        else:
-            foreign = [p.name for p in self.dir.iterdir() if not p.name.startswith(".")]
-            if foreign:
-                raise OutputError(
-                    f"output.dir {str(self.dir)!r} is not empty and has no {MANIFEST} "
-                    f"(found {', '.join(sorted(foreign)[:5])}); choose an empty or new directory"
-                )
-            self.manifest = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "shards": [], "rows": 0}
-        self._remove_temporaries()
+        if manifest is None:
+            manifest = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "shards": [], "rows": 0}
+        changed = diff_fields(manifest["fingerprint"], fingerprint)
+        if changed:
+            manifest.setdefault("forced", []).append({"changed": changed, "previous": manifest["fingerprint"]})
+            manifest["fingerprint"] = fingerprint
+        manifest.setdefault("next_shard", len(manifest["shards"]))
+        self.manifest = manifest
+        self.report = self._clean()
+        self._verify()
 
-    def _remove_temporaries(self) -> None:
-        for p in self.dir.glob(".*.tmp"):
-            p.unlink(missing_ok=True)
+    def _clean(self) -> OpenReport:
+        report = OpenReport()
+        listed = {s["file"] for s in self.manifest["shards"]}
+        for p in sorted(self.dir.iterdir()):
+            if p.name.startswith(".") and p.name.endswith(".tmp"):
+                p.unlink(missing_ok=True)
+                report.temporaries.append(p.name)
+            elif _SHARD_NAME.fullmatch(p.name) and p.name not in listed:
+                p.unlink(missing_ok=True)
+                report.orphans.append(p.name)
+        if report.temporaries or report.orphans:
+            _fsync_dir(self.dir)
+        return report
+
+    def _verify(self) -> None:
+        for s in self.manifest["shards"]:
+            path = self.dir / s["file"]
+            if not path.is_file():
+                raise OutputError(f"{path}: committed shard is missing ({s['rows']} rows); restore it or use a new output dir")
+            if "bytes" in s and path.stat().st_size != s["bytes"]:
+                raise OutputError(f"{path}: committed shard has {path.stat().st_size} bytes, the manifest says "
+                                  f"{s['bytes']}; it was changed after commit")
 
     @property
     def shard_files(self) -> list[Path]:
         return [self.dir / s["file"] for s in self.manifest["shards"]]
 
+    def committed_table(self, columns: list[str] | None = None) -> pa.Table | None:
+        """Every committed row (only ``columns`` if given), in commit order; None if there are none."""
+        tables = [pq.read_table(f, columns=columns) for f in self.shard_files]
+        return pa.concat_tables(tables) if tables else None
+
     def committed_keys(self) -> set[tuple]:
         """``(id, sample_index)`` of every committed row."""
-        keys = set()
-        for f in self.shard_files:
-            t = pq.read_table(f, columns=["id", "sample_index"])
-            keys.update(zip(t.column("id").to_pylist(), t.column("sample_index").to_pylist()))
-        return keys
+        t = self.committed_table(["id", "sample_index"])
+        return set() if t is None else set(zip(t.column("id").to_pylist(), t.column("sample_index").to_pylist()))
 
-    def commit(self, table: pa.Table) -> str:
-        """Write ``table`` as the next shard and list it in the manifest; returns the shard file name."""
-        name = f"part-{len(self.manifest['shards']):05d}.parquet"
-        atomic_write(self.dir / name, lambda f: pq.write_table(table, f))
-        self.manifest["shards"].append({"file": name, "rows": table.num_rows})
-        self.manifest["rows"] += table.num_rows
+    def failed_keys(self) -> set[tuple]:
+        """``(id, sample_index)`` of committed rows whose ``error`` is set."""
+        t = self.committed_table(["id", "sample_index", "error"])
+        if t is None:
+            return set()
+        return {(i, k) for i, k, e in zip(*(t.column(c).to_pylist() for c in ("id", "sample_index", "error")))
+                if e is not None}
+
+    def next_name(self) -> str:
+        """A shard file name never used in this directory's manifest (reserved when committed)."""
+        return f"part-{self.manifest['next_shard']:05d}.parquet"
+
+    def commit(self, table: pa.Table, replaces: set[tuple] = frozenset()) -> str:
+        """Write ``table`` as the next shard and commit it; rows of earlier shards whose
+        ``(id, sample_index)`` is in ``replaces`` are dropped in the same commit (``--retry-failed``).
+        Returns the shard file name."""
+        entry = write_shard(self.dir, self.next_name(), table)
+        self.manifest["next_shard"] += 1
+        rewritten = self._without(replaces) if replaces else {}
+        self.commit_entries([entry], rewritten)
+        return entry["file"]
+
+    def _without(self, keys: set[tuple]) -> dict[str, dict | None]:
+        """New shards for the committed shards holding any of ``keys``, without those rows:
+        ``{old file: new entry or None (nothing left)}``; the old files stay until committed."""
+        out = {}
+        for s in self.manifest["shards"]:
+            t = pq.read_table(self.dir / s["file"])
+            drop = [(i, k) in keys for i, k in zip(t.column("id").to_pylist(), t.column("sample_index").to_pylist())]
+            if any(drop):
+                kept = t.filter(pa.array([not d for d in drop]))
+                out[s["file"]] = None
+                if kept.num_rows:
+                    out[s["file"]] = write_shard(self.dir, self.next_name(), kept)
+                    self.manifest["next_shard"] += 1
+        return out
+
+    def commit_entries(self, entries: list[dict], rewritten: dict[str, dict | None] | None = None) -> None:
+        """Commit shards already written with ``write_shard``: one atomic manifest replacement adds
+        ``entries`` and swaps each file of ``rewritten`` for its new entry (or drops it); replaced files
+        are deleted after the commit."""
+        rewritten = rewritten or {}
+        shards = []
+        for s in self.manifest["shards"]:
+            if s["file"] in rewritten:
+                if rewritten[s["file"]] is not None:
+                    shards.append(rewritten[s["file"]])
+            else:
+                shards.append(s)
+        shards += entries
+        self.manifest["shards"] = shards
+        self.manifest["rows"] = sum(s["rows"] for s in shards)
+        used = [int(s["file"][5:-8]) for s in shards]
+        self.manifest["next_shard"] = max([self.manifest.get("next_shard", 0), *(u + 1 for u in used)])
         self._write_manifest()
-        return name
+        for old in rewritten:
+            (self.dir / old).unlink(missing_ok=True)
 
     def mark_complete(self, complete: bool) -> None:
         if self.manifest.get("complete") != complete:
             self.manifest["complete"] = complete
             self._write_manifest()
+
+    def save(self) -> None:
+        """Rewrite the manifest (after changing informational fields such as ``info`` or ``runs``)."""
+        self._write_manifest()
 
     def _write_manifest(self) -> None:
         data = json.dumps(self.manifest, indent=1, sort_keys=True).encode()

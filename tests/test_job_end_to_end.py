@@ -36,9 +36,10 @@ def pipeline_cmd(*args) -> list[str]:
     return ["pipeline", *args]
 
 
-def run_cli(*args, check=True) -> subprocess.CompletedProcess:
+def run_cli(*args, check=True, expect=0) -> subprocess.CompletedProcess:
+    """Run the CLI; with ``check``, fail unless it exits with ``expect`` (3: done, some rows failed)."""
     proc = subprocess.run(pipeline_cmd(*args), capture_output=True, text=True, cwd=ROOT)
-    if check and proc.returncode != 0:
+    if check and proc.returncode != expect:
         raise AssertionError(f"pipeline {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
 
@@ -52,7 +53,7 @@ def read_output(out: Path) -> pa.Table:
 def full_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("full")
     out = tmp / "out"
-    proc = run_cli("run", str(write_job(tmp, out)), "--no-progress")
+    proc = run_cli("run", str(write_job(tmp, out)), "--no-progress", expect=3)  # p20 and p21 fail
     return out, proc
 
 
@@ -62,7 +63,8 @@ def test_every_input_row_written_once(full_run):
     input_ids = pq.read_table(SAMPLES, columns=["id"]).column("id").to_pylist()
     assert sorted(table.column("id").to_pylist()) == sorted(input_ids)
     assert table.column("sample_index").to_pylist() == [0] * len(input_ids)
-    assert "done:" in proc.stdout and f"{len(input_ids)} rows written" in proc.stdout
+    assert "done:" in proc.stdout and f"{len(input_ids)} rows written (2 failed" in proc.stdout
+    assert "2 row(s) failed" in proc.stderr and "--retry-failed" in proc.stderr
 
 
 def test_output_schema_is_explicit_and_flat(full_run):
@@ -118,7 +120,7 @@ def test_shards_readable_by_datasets(full_run):
 def test_finished_job_says_so(full_run):
     out, _ = full_run
     before = json.loads((out / "manifest.json").read_text())
-    proc = run_cli("run", str(next(out.parent.glob("job-*.yaml"))), "--no-progress")
+    proc = run_cli("run", str(next(out.parent.glob("job-*.yaml"))), "--no-progress", expect=3)
     assert "nothing to do" in proc.stdout
     after = json.loads((out / "manifest.json").read_text())
     assert after["shards"] == before["shards"] and after["complete"] is True
@@ -147,7 +149,7 @@ def test_changed_settings_refuse_to_resume(full_run, tmp_path):
     full_out, _ = full_run
     job = write_job(tmp_path, full_out, max_tokens=MAX_TOKENS + 1)
     proc = run_cli("run", str(job), "--no-progress", check=False)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "generation.max_tokens" in proc.stderr and proc.stderr.startswith("error:")
 
 
@@ -172,7 +174,7 @@ def test_killed_run_resumes_without_loss_or_duplicates(full_run, tmp_path, sig, 
         assert "run the same command again to resume" in stdout
     partial = read_output(out).column("id").to_pylist()
     assert 4 <= len(partial) < 32 and len(partial) == len(set(partial))
-    run_cli("run", str(job), "--no-progress")
+    run_cli("run", str(job), "--no-progress", expect=3)
     table = read_output(out)
     ids = table.column("id").to_pylist()
     assert sorted(ids) == sorted(set(ids)) and len(ids) == 32
