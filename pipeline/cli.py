@@ -171,6 +171,23 @@ def validate(job_file):
 
 
 @main.command()
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(out_dir, as_json):
+    """Progress of the job whose output is OUT_DIR: rows done / failed / pending, tokens, tok/s, wall
+    time, ETA and the job's fingerprint."""
+    import json
+
+    from .status import format_status, job_status
+
+    try:
+        st = job_status(out_dir)
+    except USER_ERRORS as e:
+        _fail(e)
+    click.echo(json.dumps(st, indent=2) if as_json else format_status(st))
+
+
+@main.command()
 @click.argument("src", type=click.Path(exists=True, dir_okay=False))
 @click.argument("dst", type=click.Path(file_okay=False))
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
