@@ -1,0 +1,89 @@
+"""Completion text and stop strings through the engine on the real default model."""
+
+import pytest
+
+from pipeline.engine import GenerateParams
+from pipeline.stops import IncrementalDetokenizer
+
+N = 24
+
+
+def chat_ids(lm, text):
+    tok = lm.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), parse_special=True,
+                      add_bos=tok.add_bos_token)
+
+
+@pytest.fixture(scope="module")
+def story(default_model):
+    ids = chat_ids(default_model, "Write a very short story about a robot who learns to garden.")
+    g = default_model.engine.generate(ids, GenerateParams(max_tokens=N, ignore_eos=True))
+    return ids, g
+
+
+def spanning_stop(tok, out_ids):
+    """A 4-character stop string made of the last 2 characters of token i's text and the first 2 of
+    token i + 1's, occurring first at that boundary; returns (stop, i)."""
+    texts = [tok.decode(out_ids[: j + 1]) for j in range(len(out_ids))]
+    for i in range(3, len(out_ids) - 1):
+        a, b = texts[i], texts[i + 1]
+        new = b[len(a):]
+        if b.startswith(a) and len(new) >= 2 and len(a) - len(texts[i - 1]) >= 2:
+            stop = a[-2:] + new[:2]
+            if b.find(stop) == len(a) - 2:
+                return stop, i
+    raise AssertionError("no token boundary to span")
+
+
+def test_completion_is_the_decoded_ids(default_model, story):
+    _, g = story
+    assert g.text == default_model.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+    assert len(g.token_ids) == N and g.finish_reason == "length" and g.stop_reason is None
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_spanning_two_tokens(default_model, story, include):
+    ids, g = story
+    tok = default_model.tokenizer
+    stop, i = spanning_stop(tok, g.token_ids)
+    s = default_model.engine.generate(ids, GenerateParams(max_tokens=N, ignore_eos=True, stop=(stop, "never-there"),
+                                                          include_stop_str_in_output=include))
+    full = tok.decode(g.token_ids)
+    cut = full.find(stop)
+    assert (s.finish_reason, s.stop_reason, s.stop_token_id) == ("stop", stop, None)
+    assert s.token_ids == g.token_ids[: i + 2]  # generation ended on the token completing the match
+    assert s.text == full[: cut + len(stop) if include else cut]
+
+
+def test_earliest_of_several_stop_strings_wins(default_model, story):
+    ids, g = story
+    full = default_model.tokenizer.decode(g.token_ids)
+    words = full.split()
+    early = words[2]
+    late = next(w for w in reversed(words) if full.find(w) > full.find(early) + len(early))
+    s = default_model.engine.generate(ids, GenerateParams(max_tokens=N, ignore_eos=True, stop=(late, early)))
+    assert s.stop_reason == early and s.text == full[: full.find(early)]
+
+
+def test_min_tokens_defers_stop_strings(default_model, story):
+    ids, g = story
+    tok = default_model.tokenizer
+    stop, i = spanning_stop(tok, g.token_ids)
+    s = default_model.engine.generate(ids, GenerateParams(max_tokens=N, ignore_eos=True, stop=(stop,),
+                                                          min_tokens=i + 3))
+    full = tok.decode(g.token_ids)
+    later = full.find(stop, full.find(stop) + 1)
+    assert s.finish_reason == ("stop" if later >= 0 else "length")
+    assert len(s.token_ids) >= i + 3
+    assert s.text == (full[:later] if later >= 0 else full)
+
+
+@pytest.mark.parametrize("prompt", ["请用一句话解释什么是机器学习。", "日本で一番高い山は何ですか？"])
+def test_multibyte_generation_streams_without_split_characters(default_model, prompt):
+    g = default_model.engine.generate(chat_ids(default_model, prompt), GenerateParams(max_tokens=16))
+    tok = default_model.tokenizer
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push(t) for t in g.token_ids]
+    assert "".join(pieces) == g.text == tok.decode(g.token_ids, skip_special_tokens=True)
+    assert not any("\ufffd" in p for p in pieces)
+    assert any(ord(c) > 0x2E7F for c in g.text)  # the generation really has multi-byte characters
