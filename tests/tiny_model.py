@@ -1,0 +1,83 @@
+"""A tiny random-weight llama model directory with the default model's real tokenizer and chat template,
+for end-to-end runs of ``pipeline run`` that take seconds, not minutes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pipeline  # noqa: F401  (loads OpenBLAS before mlx.core, as in real runs)
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from pipeline.models.llama import Model, ModelArgs
+from pipeline.tokenizer import Tokenizer
+
+TINY_CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
+
+
+def _default_tokenizer() -> Tokenizer:
+    """The default model's tokenizer, built from its GGUF metadata (the file is fetched on first use)."""
+    from pipeline.resolve import DEFAULT_MODEL, resolve_model
+
+    _, md = mx.load(str(resolve_model(DEFAULT_MODEL)), return_metadata=True)
+    return Tokenizer.from_gguf_metadata(md)
+
+
+def write_tiny_model(path: str | Path, *, seed: int = 0, tokenizer: Tokenizer | None = None) -> Path:
+    """Write a random-weight llama (hidden 64, 2 layers, 4 heads, 2 KV heads, context 512) as a model
+    directory: ``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``
+    (BOS/EOS tokens and the chat template), ``generation_config.json``.
+
+    The weights are a pure function of ``seed``, so two calls write byte-identical files (and the
+    same model fingerprint). The projection weights are scaled up 4x as in ``tests/test_engine.py``:
+    at MLX's default init the layers barely move the residual stream and greedy decoding with tied
+    embeddings repeats one token forever.
+
+    Args:
+        path: the directory to create (parents too); existing files in it are overwritten.
+        seed: the MLX random seed for the weights.
+        tokenizer: the tokenizer to save (default: the default model's, whose vocabulary size the
+            model then takes).
+
+    Returns:
+        ``path`` as a ``Path``.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer or _default_tokenizer()
+    eos_ids = list(tok.eos_token_ids)
+    config = {**TINY_CONFIG, "vocab_size": tok.vocab_size, "bos_token_id": tok.bos_token_id, "eos_token_id": eos_ids}
+
+    mx.random.seed(seed)
+    model = Model(ModelArgs.from_dict(config))
+    weights = {k: v * 4 if k.endswith("proj.weight") else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tok._hf.save(str(path / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tok.bos_token or None,
+        "eos_token": tok.eos_token or None,
+        "add_bos_token": tok.add_bos_token,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+        "chat_template": tok.chat_template,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
+    (path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_id": eos_ids}, indent=2))
+    return path
