@@ -90,7 +90,7 @@ class LoadedModel:
     """
 
     def __init__(self, spec: str, path: Path, config: dict, model, tokenizer: Tokenizer, prefill_step_size: int = 512,
-                 cache_spec=None, compile: bool = True):
+                 cache_spec=None, compile: bool | str = "auto"):
         self.spec, self.path, self.config, self.model, self.tokenizer = spec, path, config, model, tokenizer
         self.engine = Engine(
             model,
@@ -132,7 +132,7 @@ def model_identity(spec: str, path: Path) -> dict:
 
 
 def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequantize: str | bool = "auto",
-               prefill_step_size: int = 512, cache_spec=None, compile: bool = True,
+               prefill_step_size: int = 512, cache_spec=None, compile: bool | str = "auto",
                path: Path | None = None) -> LoadedModel:
     """Load a model: a built-in alias, a ``.gguf`` path, or a Hugging Face repo id.
 
@@ -143,7 +143,8 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
         prefill_step_size: prompt tokens per prefill chunk.
         cache_spec: a ``pipeline.jobspec.CacheSpec`` (rotating / quantized KV caches), or None for the
             model's own cache layout.
-        compile: decode through the compiled closure set (false: eager).
+        compile: decode through the compiled closure set: true, false (eager) or "auto"
+            (``pipeline.engine.compile_by_default``).
         path: the already-resolved local file for ``spec``, if known.
 
     Raises:
