@@ -14,7 +14,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
 import yaml
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .resolve import DEFAULT_MODEL
 
@@ -40,18 +42,83 @@ class _Problems(list):
 
 
 @dataclass
-class InputSpec:
-    """Where prompts come from.
+class DatasetSpec:
+    """A Hugging Face hub dataset, read with ``datasets.load_dataset(name, config, split=split,
+    revision=revision, streaming=True)``.
 
     Attributes:
-        path: a Parquet file, a directory of Parquet files, or a glob (relative to the working directory).
-        id_column: column holding unique row ids (integers or strings); None uses the row index.
-        prompt_column: column of user text (string).
+        name: the dataset's repo id (``owner/name``).
+        config: its configuration (subset) name, or None for the default.
+        split: the split to read.
+        revision: a branch, tag or commit; None for the default branch.
+    """
+
+    name: str
+    config: str | None = None
+    split: str = "train"
+    revision: str | None = None
+
+    def check(self):
+        """Raises: JobSpecError: an empty name or split."""
+        bad = _Problems()
+        if not self.name:
+            bad.append("input.dataset.name must be a non-empty string")
+        if not self.split:
+            bad.append("input.dataset.split must be a non-empty string")
+        bad.raise_any()
+
+
+@dataclass
+class FilterSpec:
+    """One condition on an input column: keep rows whose ``column`` equals ``equals``, or is one of
+    ``one_of``. Rows where the column is null never match.
+
+    Attributes:
+        column: the input column.
+        equals: the value to match (string, number or boolean).
+        one_of: the values to match (a non-empty list).
+    """
+
+    column: str
+    equals: str | int | float | bool | None = None
+    one_of: list[str | int | float | bool] | None = None
+
+    def check(self):
+        """Raises: JobSpecError: not exactly one of ``equals`` and ``one_of``, or an empty ``one_of``."""
+        bad = _Problems()
+        if (self.equals is None) == (self.one_of is None):
+            bad.append(f"input.filter on column {self.column!r}: set exactly one of equals or one_of")
+        elif self.one_of is not None and not self.one_of:
+            bad.append(f"input.filter on column {self.column!r}: one_of must not be empty")
+        bad.raise_any()
+
+
+@dataclass
+class InputSpec:
+    """Where prompts come from and which rows are used.
+
+    Rows are selected in this order: ``filter`` (keep matching rows), then ``shuffle_seed`` (reorder
+    them), then ``limit`` (keep the first N).
+
+    Attributes:
+        path: a Parquet, JSON Lines (``.jsonl``), JSON (``.json``) or CSV (``.csv``) file, a directory of
+            such files (searched recursively, one format), or a glob (relative to the working directory).
+            Parquet is read with pyarrow; the others with ``datasets.load_dataset`` in streaming mode.
+        dataset: a Hugging Face hub dataset instead of ``path`` (exactly one of the two is set).
+        id_column: column holding unique row ids (integers or strings); None uses the row's position in
+            the input (before filtering and shuffling).
+        prompt_column: column of user text (string); unused when ``template`` is set.
         messages_column: column of chat conversations (list of ``{role, content}``); rows where it is
-            non-null use it instead of ``prompt_column``.
+            non-null use it instead of ``prompt_column`` / ``template``.
+        template: a jinja2 template building each row's prompt from its columns, e.g.
+            ``"Question: {{ question }}\\nAnswer:"`` (sandboxed; a column it names must exist; a null value
+            it prints fails the row). The rendered text becomes the user turn of the chat template.
+        filter: one condition or a list of conditions (all must hold) on input columns; a list after loading.
+        shuffle_seed: reorder the rows by a hash of (seed, row id): the same seed gives the same order on
+            every run and machine; None keeps the input order.
         system_prompt: system turn prepended when a conversation has none.
         apply_chat_template: render prompts with the model's chat template.
-        limit: use only the first ``limit`` input rows.
+        limit: use only the first ``limit`` rows (after filter and shuffle).
         parse_special_tokens: when false (the default), special-token text inside prompt and message
             content (a user string containing ``<|im_end|>``, say) is encoded as plain text, so input
             data cannot forge chat turns; only the chat template's own markup yields special tokens.
@@ -62,10 +129,14 @@ class InputSpec:
             temperature, stop, ...) set that key for their row where non-null; false ignores them.
     """
 
-    path: str
+    path: str | None = None
+    dataset: DatasetSpec | None = None
     id_column: str | None = None
     prompt_column: str | None = "prompt"
     messages_column: str | None = None
+    template: str | None = None
+    filter: list[FilterSpec] | FilterSpec | None = None
+    shuffle_seed: int | None = None
     system_prompt: str | None = None
     apply_chat_template: bool = True
     limit: int | None = None
@@ -73,13 +144,28 @@ class InputSpec:
     truncate: str = "error"
     row_overrides: bool = True
 
+    def __post_init__(self):
+        if isinstance(self.filter, FilterSpec):
+            self.filter = [self.filter]
+
     def check(self):
         """Raises: JobSpecError: every value out of range."""
         bad = _Problems()
-        if self.prompt_column is None and self.messages_column is None:
-            bad.append("input: set prompt_column or messages_column")
+        if self.path is None and self.dataset is None:
+            bad.append("input: set path (a file, directory or glob) or dataset")
+        if self.path is not None and self.dataset is not None:
+            bad.append("input: set path or dataset, not both")
+        if self.prompt_column is None and self.messages_column is None and self.template is None:
+            bad.append("input: set prompt_column or messages_column (or template)")
         if self.limit is not None and self.limit < 1:
             bad.append(f"input.limit must be >= 1, got {self.limit}")
+        if self.shuffle_seed is not None and not 0 <= self.shuffle_seed < 2**63:
+            bad.append(f"input.shuffle_seed must be in [0, 2**63), got {self.shuffle_seed}")
+        if self.template is not None:
+            try:
+                ImmutableSandboxedEnvironment().parse(self.template)
+            except jinja2.TemplateSyntaxError as e:
+                bad.append(f"input.template does not compile: {e.message} (line {e.lineno})")
         if self.truncate not in ("error", "left", "right"):
             bad.append(f"input.truncate must be error, left or right, got {self.truncate!r}")
         if self.messages_column and not self.apply_chat_template:

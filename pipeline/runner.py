@@ -102,6 +102,9 @@ def fingerprint(job: JobSpec, model_id: dict) -> dict:
             "parse_special_tokens": inp.parse_special_tokens,
             "row_overrides": inp.row_overrides,
             "truncate": inp.truncate,
+            "template": inp.template,
+            "filter": None if inp.filter is None else [dataclasses.asdict(f) for f in inp.filter],
+            "shuffle_seed": inp.shuffle_seed,
         },
         "generation": dataclasses.asdict(job.generation),
         "cache": dataclasses.asdict(job.cache),
@@ -116,7 +119,10 @@ def _version(package: str) -> str:
 
 
 def input_state(job: JobSpec) -> list[dict]:
-    """Path, size (bytes) and mtime (ns) of each input file, recorded in the manifest to report changes."""
+    """Path, size (bytes) and mtime (ns) of each input file, recorded in the manifest to report changes
+    (a hub dataset: its name, config, split and revision)."""
+    if job.input.dataset is not None:
+        return [dataclasses.asdict(job.input.dataset)]
     return [{"path": str(f), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
             for f in input_files(job.input.path)]
 
@@ -203,7 +209,7 @@ def generate_row(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int
     if isinstance(gen, str):
         return _failed(row, sample_index, seed, text, gen, t0)
     try:
-        prompt = build_prompt(row, job.input, lm.tokenizer) if prompt is None else prompt
+        prompt = _build_or_error(row, job, lm) if prompt is None else prompt
         if isinstance(prompt, RowError):
             raise prompt
         text = prompt.text
@@ -231,6 +237,8 @@ def plan_samples(job: JobSpec, rows: list[InputRow]) -> list[tuple[InputRow, int
 
 
 def _build_or_error(row: InputRow, job: JobSpec, lm: LoadedModel) -> Prompt | RowError:
+    if row.error is not None:
+        return RowError(row.error)
     try:
         return build_prompt(row, job.input, lm.tokenizer)
     except RowError as e:
@@ -293,7 +301,7 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
     _report_open(store, job, echo)
     done = store.committed_keys()
     planned = plan_samples(job, rows)
-    if limit is None and job.input.limit is None:
+    if limit is None and job.input.limit is None and job.input.filter is None:  # else rows left out on purpose
         _report_removed(done - {(r.id, k) for r, k, _ in planned}, echo)
     retry = store.failed_keys() if retry_failed else set()
     pending = [p for p in planned if (p[0].id, p[1]) not in done or (p[0].id, p[1]) in retry]

@@ -146,14 +146,17 @@ CASES = [
          {"generation": {"max_tokens": "10"}}, commands=VALIDATE),
     Case("temperature-string", [J + "generation.temperature must be float, got str 'hot'"],
          {"generation": {"temperature": "hot"}}),
-    Case("input-path-int", [J + "input.path must be str, got int 5"], {"input": {"path": 5}}, commands=VALIDATE),
+    Case("input-path-int", [J + "input.path must be str, got int 5",
+                            J + "input: set path (a file, directory or glob) or dataset"],
+         {"input": {"path": 5}}, commands=VALIDATE),
     Case("output-dir-null", [J + "output.dir must be str, got NoneType None"], {"output": {"dir": None}},
          commands=VALIDATE),
     Case("stop-token-id-string", [J + "generation.stop_token_ids[1] must be int, got str 'x'"],
          {"generation": {"stop_token_ids": [2, "x"]}}, commands=VALIDATE),
     Case("kv-bits-float", [J + "cache.kv_bits must be int, got float 4.5"], {"cache": {"kv_bits": 4.5}},
          commands=VALIDATE),
-    Case("missing-input-path", [J + "missing required key 'input.path'"], {"input": {"path": DELETE}},
+    Case("missing-input-path", [J + "input: set path (a file, directory or glob) or dataset"],
+         {"input": {"path": DELETE}},
          commands=VALIDATE),
     # out-of-range values
     Case("temperature-negative", [J + "generation.temperature must be a finite number >= 0, got -0.5"],
@@ -211,11 +214,14 @@ CASES = [
     Case("model-dir-without-config", [f"model 'empty' {ALIAS_ERROR}"], {"model": "empty"}, with_files("empty/")),
     Case("unknown-alias", [f"model 'smollm3' {ALIAS_ERROR}"], {"model": "smollm3"}, commands=VALIDATE),
     # input files
-    Case("missing-input-file", ["input.path 'missing.parquet': no Parquet files found"],
+    Case("missing-input-file", [
+        "input.path 'missing.parquet': no input files found (.parquet, .jsonl, .json or .csv)"],
          {"input": {"path": "missing.parquet"}}, committed=True),
-    Case("empty-glob", ["input.path 'data/*.parquet': no Parquet files found"], {"input": {"path": "data/*.parquet"}},
+    Case("empty-glob", ["input.path 'data/*.parquet': no input files found (.parquet, .jsonl, .json or .csv)"],
+         {"input": {"path": "data/*.parquet"}},
          with_files("data/")),
-    Case("empty-directory", ["input.path 'data': no Parquet files found"], {"input": {"path": "data"}},
+    Case("empty-directory", ["input.path 'data': no input files found (.parquet, .jsonl, .json or .csv)"],
+         {"input": {"path": "data"}},
          with_files("data/"), commands=VALIDATE),
     Case("not-parquet", ["input file notes.parquet: not readable as Parquet: Parquet magic bytes not found in "
                          "footer. Either the file is corrupted or this is not a parquet file."],
@@ -253,7 +259,7 @@ CASES = [
     # problems in several places: validate lists them all, run stops at the first
     Case("model-input-and-output", [
         f"model './nope.gguf' {ALIAS_ERROR}",
-        "input.path 'missing.parquet': no Parquet files found",
+        "input.path 'missing.parquet': no input files found (.parquet, .jsonl, .json or .csv)",
         "output.dir 'out' is not empty and has no manifest.json (found notes.txt); choose an empty or new directory",
     ], {"model": "./nope.gguf", "input": {"path": "missing.parquet"}}, with_files("out/notes.txt", data=no_data),
         run_lines=[f"model './nope.gguf' {ALIAS_ERROR}"]),

@@ -77,7 +77,7 @@ def test_limit_applies_before_duplicate_check(tmp_path):
 
 @pytest.mark.parametrize("name", ["missing.parquet", "missing_dir", "nomatch-*.parquet"])
 def test_missing_path(tmp_path, name):
-    with pytest.raises(InputError, match="no Parquet files found"):
+    with pytest.raises(InputError, match=r"no input files found \(.parquet, .jsonl, .json or .csv\)"):
         read_rows(InputSpec(path=str(tmp_path / name)))
 
 

@@ -166,13 +166,20 @@ def test_messages_column_needs_chat_template():
         ({"output": {"dir": "o"}}, "input"),
         ({"input": {"path": "x"}}, "output"),
         ({"input": {"path": "x"}, "output": {}}, "output.dir"),
-        ({"input": {}, "output": {"dir": "o"}}, "input.path"),
     ],
 )
 def test_missing_required_key(data, key):
     with pytest.raises(JobSpecError) as ei:
         job_from_dict(data)
     assert f"missing required key {key!r}" in str(ei.value)
+
+
+@pytest.mark.parametrize("inp", [{}, {"path": "x", "dataset": {"name": "o/d"}}])
+def test_input_needs_path_or_dataset(inp):
+    with pytest.raises(JobSpecError) as ei:
+        job_from_dict({"input": inp, "output": {"dir": "o"}})
+    assert str(ei.value) in ("input: set path (a file, directory or glob) or dataset",
+                             "input: set path or dataset, not both")
 
 
 def test_load_job_reads_yaml(tmp_path):

@@ -1,0 +1,240 @@
+"""JSON Lines / JSON / CSV inputs read through ``datasets``, prompt templates, input.filter,
+input.shuffle_seed and input.limit: pipeline.inputs.read_rows on real files, and the hub-dataset error
+offline through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pipeline.inputs import InputError, read_rows
+from pipeline.jobspec import JobSpecError, job_from_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATE = "Question: {{ question }}\nAnswer:"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def spec(**inp):
+    """A validated InputSpec, as the job file would give it."""
+    return job_from_dict({"input": inp, "output": {"dir": "o"}}).input
+
+
+def questions(n: int) -> list[dict]:
+    return [{"qid": f"q{i}", "question": f"What is {i} + {i}?", "lang": ["en", "de", "fr"][i % 3], "level": i % 4}
+            for i in range(n)]
+
+
+def test_jsonl_with_template_and_override_column(tmp_path):
+    rows = questions(3)
+    rows[1]["max_tokens"] = 7
+    f = write_jsonl(tmp_path / "in.jsonl", rows)
+    got, id_type = read_rows(spec(path=str(f), id_column="qid", template=TEMPLATE))
+    assert id_type == pa.string()
+    assert [r.id for r in got] == ["q0", "q1", "q2"]
+    assert [r.index for r in got] == [0, 1, 2]
+    assert [r.prompt for r in got] == [f"Question: What is {i} + {i}?\nAnswer:" for i in range(3)]
+    assert [r.overrides for r in got] == [{}, {"max_tokens": 7}, {}]
+    assert all(r.error is None for r in got)
+
+
+def test_template_reads_several_columns_of_several_types(tmp_path):
+    f = write_jsonl(tmp_path / "in.jsonl", [{"q": "Why?", "choices": ["a", "b"], "k": 2}])
+    (row,), _ = read_rows(spec(path=str(f), template="{{ q }} ({{ choices | join('/') }}, k={{ k + 1 }})"))
+    assert row.prompt == "Why? (a/b, k=3)"
+
+
+def test_csv_with_template(tmp_path):
+    f = tmp_path / "in.csv"
+    f.write_text('id,question,lang\n10,"Hi, there?",en\n11,Bye?,de\n', encoding="utf-8")
+    got, id_type = read_rows(spec(path=str(f), id_column="id", template="[{{ lang }}] {{ question }}"))
+    assert id_type == pa.int64()
+    assert [(r.id, r.prompt) for r in got] == [(10, "[en] Hi, there?"), (11, "[de] Bye?")]
+
+
+def test_json_array_file(tmp_path):
+    f = tmp_path / "in.json"
+    f.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}]), encoding="utf-8")
+    got, _ = read_rows(spec(path=str(f)))
+    assert [(r.id, r.prompt) for r in got] == [(0, "a"), (1, "b")]
+
+
+def test_glob_and_directory_of_jsonl_in_sorted_path_order(tmp_path):
+    d = tmp_path / "data"
+    write_jsonl(d / "part-2.jsonl", [{"prompt": "c"}])  # written first: creation order differs from sorted
+    write_jsonl(d / "part-1.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    (d / "notes.txt").write_text("not input")
+    for path in (str(d / "part-*.jsonl"), str(d)):
+        got, _ = read_rows(spec(path=path, template="say {{ prompt }}"))
+        assert [(r.index, r.prompt) for r in got] == [(0, "say a"), (1, "say b"), (2, "say c")]
+
+
+def test_messages_column_from_jsonl(tmp_path):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    f = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "p", "messages": msgs}, {"prompt": "q", "messages": None}])
+    got, _ = read_rows(spec(path=str(f), messages_column="messages"))
+    assert got[0].messages == msgs and got[1].messages is None and got[1].prompt == "q"
+
+
+def test_mixed_formats_are_an_error(tmp_path):
+    write_jsonl(tmp_path / "d" / "a.jsonl", [{"prompt": "a"}])
+    pq.write_table(pa.table({"prompt": ["b"]}), tmp_path / "d" / "b.parquet")
+    with pytest.raises(InputError, match=r"files mix formats \(JSON, Parquet\)"):
+        read_rows(spec(path=str(tmp_path / "d")))
+
+
+def test_malformed_jsonl_is_one_line(tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": \n', encoding="utf-8")
+    with pytest.raises(InputError) as ei:
+        read_rows(spec(path=str(f)))
+    assert str(ei.value).startswith(f"input.path {str(f)!r} (JSON): not readable: ")
+    assert "\n" not in str(ei.value)
+
+
+def test_template_column_missing_is_an_error_at_start(tmp_path):
+    f = write_jsonl(tmp_path / "in.jsonl", questions(2))
+    with pytest.raises(InputError) as ei:
+        read_rows(spec(path=str(f), template="{{ question }} {{ contxt }}"))
+    assert str(ei.value) == "input.template: column 'contxt' not found in input (columns: qid, question, lang, level)"
+    pq.write_table(pa.table({"question": ["a"]}), tmp_path / "in.parquet")
+    with pytest.raises(InputError,
+                       match=r"^input.template: column 'contxt' not found in .*in.parquet \(columns: question\)$"):
+        read_rows(spec(path=str(tmp_path / "in.parquet"), template="{{ contxt }}"))
+
+
+def test_template_null_value_fails_only_that_row(tmp_path):
+    rows = questions(3)
+    rows[1]["question"] = None
+    f = write_jsonl(tmp_path / "in.jsonl", rows)
+    got, _ = read_rows(spec(path=str(f), template=TEMPLATE + "{% if lang %} Hint: {{ lang }}{% endif %}"))
+    assert got[1].prompt is None
+    assert got[1].error == "input.template printed a null value (null in this row: question)"
+    assert got[0].error is None and got[0].prompt.endswith("Hint: en")
+
+
+def test_template_that_does_not_compile_is_a_job_error():
+    with pytest.raises(JobSpecError, match=r"input.template does not compile: .* \(line 1\)"):
+        spec(path="x.jsonl", template="{{ question ")
+
+
+def test_filter_equals_one_of_and_list(tmp_path):
+    f = write_jsonl(tmp_path / "in.jsonl", questions(9))
+    base = {"path": str(f), "id_column": "qid", "template": TEMPLATE}
+    got, _ = read_rows(spec(**base, filter={"column": "lang", "equals": "de"}))
+    assert [r.id for r in got] == ["q1", "q4", "q7"]
+    assert [r.index for r in got] == [1, 4, 7]
+    got, _ = read_rows(spec(**base, filter={"column": "level", "one_of": [0, 3]}))
+    assert [r.id for r in got] == ["q0", "q3", "q4", "q7", "q8"]
+    got, _ = read_rows(spec(**base, filter=[{"column": "lang", "one_of": ["en", "de"]},
+                                            {"column": "level", "equals": 0}]))
+    assert [r.id for r in got] == ["q0", "q4"]
+
+
+def test_filter_never_matches_null(tmp_path):
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "lang": ["en", None, "en"]}), tmp_path / "in.parquet")
+    got, _ = read_rows(spec(path=str(tmp_path / "in.parquet"), filter={"column": "lang", "one_of": ["en", "de"]}))
+    assert [r.index for r in got] == [0, 2]
+
+
+@pytest.mark.parametrize("flt, message", [
+    ({"column": "level", "equals": "1"}, "input.filter.equals: '1' does not match the type of column 'level' (int64)"),
+    ({"column": "level", "equals": 1.5}, "input.filter.equals: 1.5 does not match the type of column 'level' (int64)"),
+    ({"column": "lang", "one_of": ["en", 2]},
+     "input.filter.one_of: ['en', 2] does not match the type of column 'lang' (string)"),
+    ({"column": "lang", "equals": True}, "input.filter.equals: True does not match the type of column 'lang' (string)"),
+    ({"column": "langs", "equals": "en"},
+     "input.filter: column 'langs' not found in input (columns: qid, question, lang, level)"),
+])
+def test_filter_errors_name_key_and_column(tmp_path, flt, message):
+    f = write_jsonl(tmp_path / "in.jsonl", questions(3))
+    with pytest.raises(InputError) as ei:
+        read_rows(spec(path=str(f), template=TEMPLATE, filter=flt))
+    assert str(ei.value) == message
+
+
+@pytest.mark.parametrize("flt, message", [
+    ({"column": "lang"}, "input.filter on column 'lang': set exactly one of equals or one_of"),
+    ({"column": "lang", "equals": "en", "one_of": ["de"]},
+     "input.filter on column 'lang': set exactly one of equals or one_of"),
+    ({"column": "lang", "one_of": []}, "input.filter on column 'lang': one_of must not be empty"),
+    ({"column": "lang", "equal": "en"}, "unknown key 'input.filter.equal' (did you mean 'equals'?)"),
+    ([{"column": "lang", "equals": "en"}, {"colum": "x", "equals": 1}],
+     "unknown key 'input.filter[1].colum' (did you mean 'column'?)"),
+    ({"column": "lang", "equals": ["en"]}, "input.filter.equals must be str or int or float or bool, got list ['en']"),
+])
+def test_filter_spec_errors(flt, message):
+    with pytest.raises(JobSpecError) as ei:
+        spec(path="x.jsonl", filter=flt)
+    assert message in ei.value.problems
+
+
+def test_shuffled_subset_is_reproducible_and_follows_filter_shuffle_limit(tmp_path):
+    f = write_jsonl(tmp_path / "in.jsonl", questions(60))
+    sel = {"path": str(f), "id_column": "qid", "template": TEMPLATE, "limit": 10,
+           "filter": {"column": "lang", "one_of": ["en", "de"]}}
+    first, _ = read_rows(spec(**sel, shuffle_seed=1))
+    again, _ = read_rows(spec(**sel, shuffle_seed=1))
+    other, _ = read_rows(spec(**sel, shuffle_seed=2))
+    assert first == again
+    assert [r.id for r in first] != [r.id for r in other]
+    assert len(first) == 10 and all(r.id in {f"q{i}" for i in range(60) if i % 3 != 2} for r in first)
+    # limit takes the first rows of the whole filtered, shuffled order
+    whole, _ = read_rows(spec(**{**sel, "limit": None}, shuffle_seed=1))
+    assert len(whole) == 40 and whole[:10] == first
+    assert [r.id for r in whole] != sorted((r.id for r in whole), key=lambda i: int(i[1:]))
+    # ids and indices stay those of the input, whatever the selection
+    assert all(r.id == f"q{r.index}" for r in whole)
+
+
+def test_shuffle_without_id_column_keys_rows_by_input_position(tmp_path):
+    f = write_jsonl(tmp_path / "in.jsonl", questions(20))
+    got, _ = read_rows(spec(path=str(f), template=TEMPLATE, shuffle_seed=5, filter={"column": "level", "equals": 1}))
+    assert sorted(r.id for r in got) == [1, 5, 9, 13, 17]
+    assert all(r.id == r.index and r.prompt == f"Question: What is {r.id} + {r.id}?\nAnswer:" for r in got)
+    # rows appended to the input later do not move the rows already there relative to each other
+    write_jsonl(f, questions(40))
+    more, _ = read_rows(spec(path=str(f), template=TEMPLATE, shuffle_seed=5, filter={"column": "level", "equals": 1}))
+    assert [r.id for r in more if r.id < 20] == [r.id for r in got]
+
+
+def test_hub_dataset_offline_is_one_error_line(tmp_path):
+    job = {"model": "smollm2-135m-instruct", "output": {"dir": str(tmp_path / "out")},
+           "input": {"dataset": {"name": "someone/some-dataset", "split": "test"}, "template": TEMPLATE}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job), encoding="utf-8")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    exe = Path(sys.executable).with_name("pipeline")
+    proc = subprocess.run([str(exe), "validate", str(tmp_path / "job.yaml")], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: input.dataset 'someone/some-dataset' split 'test': cannot reach the Hugging Face hub "
+        "(Couldn't reach 'someone/some-dataset' on the Hub (OfflineModeIsEnabled)); offline, use input.path "
+        "with local files"]
+
+
+def test_path_and_dataset_are_exclusive():
+    with pytest.raises(JobSpecError, match="input: set path or dataset, not both"):
+        spec(path="x.jsonl", dataset={"name": "a/b"})
+    with pytest.raises(JobSpecError, match=r"unknown key 'input.dataset.splitt' \(did you mean 'split'\?\)"):
+        spec(dataset={"name": "a/b", "splitt": "test"})
+
+
+def test_template_failing_on_one_row_fails_only_that_row(tmp_path):
+    f = write_jsonl(tmp_path / "in.jsonl", questions(3))  # level 0, 1, 2
+    got, _ = read_rows(spec(path=str(f), template="{{ question }} x{{ 12 // level }}"))
+    assert got[0].prompt is None and got[0].error.startswith("input.template failed: ZeroDivisionError: ")
+    assert [r.prompt for r in got[1:]] == ["What is 1 + 1? x12", "What is 2 + 2? x6"]
