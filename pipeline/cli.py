@@ -1,5 +1,5 @@
-"""Command line: ``pipeline run JOB``, ``validate JOB``, ``convert SRC DST``, ``inspect MODEL``, ``bench``. Each
-command parses and calls a plain function.
+"""Command line: ``pipeline run JOB``, ``validate JOB``, ``status OUT_DIR``, ``export OUT_DIR``, ``report OUT_DIR``,
+``convert SRC DST``, ``inspect MODEL``, ``bench``. Each command parses and calls a plain function.
 
 Errors print one ``error: ...`` line per problem on stderr. ``run`` and ``validate`` exit 2 for a problem with
 the job or its inputs, found before the model loads (``JOB_ERRORS``): the job file (every bad key at once), a
@@ -185,6 +185,41 @@ def status(out_dir, as_json):
     except USER_ERRORS as e:
         _fail(e)
     click.echo(json.dumps(st, indent=2) if as_json else format_status(st))
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--to", "to", required=True, metavar="PATH",
+              help="results.parquet, results.jsonl, or a directory (datasets' save_to_disk; load_from_disk reads it).")
+@click.option("--join-input", is_flag=True, help="Add the input's columns (joined by id).")
+@click.option("--overwrite", is_flag=True, help="Replace PATH if it exists.")
+def export(out_dir, to, join_input, overwrite):
+    """Merge the committed rows of OUT_DIR into one file or dataset directory, in input order."""
+    from .export import ExportError, export_results
+
+    try:
+        summary = export_results(out_dir, to, join_input=join_input, overwrite=overwrite,
+                                 warn=lambda line: click.echo(line, err=True))
+    except (ExportError, *USER_ERRORS) as e:
+        _fail(e)
+    click.echo(summary.line())
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="HTML file to write [default: OUT_DIR/report/report.html].")
+def report(out_dir, out):
+    """Write an HTML report of OUT_DIR with PNG charts: decode tok/s over the run, TTFT vs prompt length,
+    completion lengths, finish reasons, failed rows, fingerprint and summary numbers (needs matplotlib:
+    pip install -e ".[report]")."""
+    from .report import ReportError, write_report
+
+    try:
+        page = write_report(out_dir, out)
+    except (ReportError, *USER_ERRORS) as e:
+        _fail(e)
+    click.echo(f"wrote {page}")
 
 
 @main.command()

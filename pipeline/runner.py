@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import signal
 import sys
 import time
@@ -73,12 +74,14 @@ class RunSummary:
             return (f"{how} ({self.interrupted}): {self.rows_skipped + self.rows_written}/{self.rows_total} rows "
                     f"committed in {self.out_dir}; run the same command again to resume")
         if self.rows_written == 0 and self.complete:
-            return f"nothing to do: all {self.rows_total} rows are already committed in {self.out_dir}"
+            return (f"nothing to do: all {self.rows_total} rows are already committed in {self.out_dir}; "
+                    f"charts and failed rows: pipeline report {shlex.quote(str(self.out_dir))}")
         tps = self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
         return (f"done: {self.rows_written} row{'s' * (self.rows_written != 1)} written ({self.rows_failed} failed, "
                 f"{self.rows_skipped} from earlier runs) in {self.elapsed_s:.1f} s, {self.completion_tokens} tokens "
                 f"generated ({tps:.1f} tok/s); {self.shards} shard{'s' * (self.shards != 1)} in {self.out_dir}; "
-                f"{self.closures} compiled decode closure{'s' * (self.closures != 1)}")
+                f"{self.closures} compiled decode closure{'s' * (self.closures != 1)}; "
+                f"charts and failed rows: pipeline report {shlex.quote(str(self.out_dir))}")
 
 
 def fingerprint(job: JobSpec, model_id: dict) -> dict:

@@ -1,0 +1,223 @@
+"""``pipeline export OUT_DIR --to PATH``: the committed results merged into one Parquet file, one JSON Lines
+file or a Hugging Face ``datasets`` directory, in input order, optionally with the input's columns."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .inputs import InputError, read_input
+from .jobspec import JobSpec, JobSpecError, job_from_dict
+from .shards import OutputError, read_manifest
+
+FORMATS = ("parquet", "jsonl", "hf-dir")
+_JSON_DECIMALS = 15  # pandas' most; floats in JSON Lines keep 15 decimal places
+
+
+class ExportError(RuntimeError):
+    """The export cannot be written (unknown format, destination exists or is inside OUT_DIR)."""
+
+
+@dataclass
+class ExportSummary:
+    """What ``export_results`` wrote.
+
+    Attributes:
+        path: the file or directory written.
+        format: "parquet", "jsonl" or "hf-dir".
+        rows: rows written.
+        columns: columns written.
+        order: "input" (input order, then sample_index) or "id" (the input could not be read).
+    """
+
+    path: Path
+    format: str
+    rows: int
+    columns: int
+    order: str
+
+    def line(self) -> str:
+        by = "input order" if self.order == "input" else "id (input not readable)"
+        return f"wrote {self.rows} rows x {self.columns} columns to {self.path} ({self.format}, sorted by {by})"
+
+
+def read_committed(out_dir: str | Path) -> tuple[dict, pa.Table | None]:
+    """The manifest of ``out_dir`` and its committed rows in commit order (the manifest's ``shards``
+    list; other files in the directory are never read), or None when nothing is committed.
+
+    Raises:
+        OutputError: no manifest, an unreadable one, or a committed shard that is missing or unreadable.
+    """
+    out_dir = Path(out_dir)
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        raise OutputError(f"{out_dir}: no manifest.json (not a pipeline output directory, or nothing committed yet)")
+    tables = []
+    for s in manifest["shards"]:
+        try:
+            tables.append(pq.read_table(out_dir / s["file"]))
+        except (OSError, pa.ArrowException) as e:
+            raise OutputError(f"{out_dir / s['file']}: committed shard not readable: {e}") from None
+    if not tables:
+        return manifest, None
+    return manifest, pa.concat_tables(tables, promote_options="permissive")
+
+
+def manifest_job(manifest: dict) -> JobSpec | None:
+    """The job recorded in a manifest (``info.job``), or None if it has none or it no longer validates."""
+    try:
+        return job_from_dict(manifest["info"]["job"])
+    except (KeyError, TypeError, JobSpecError):
+        return None
+
+
+def export_format(to: str) -> str:
+    """"parquet" (``.parquet``), "jsonl" (``.jsonl``) or "hf-dir" (no suffix, a trailing ``/``, or an
+    existing directory).
+
+    Raises:
+        ExportError: any other suffix.
+    """
+    p = Path(to)
+    if to.endswith(("/", os.sep)) or p.is_dir():
+        return "hf-dir"
+    if p.suffix == ".parquet":
+        return "parquet"
+    if p.suffix == ".jsonl":
+        return "jsonl"
+    if not p.suffix:
+        return "hf-dir"
+    raise ExportError(f"--to {to}: unknown format {p.suffix!r}; use a .parquet or .jsonl file, or a directory "
+                      "(no suffix) for a datasets save_to_disk directory")
+
+
+def _input_positions(table: pa.Table, job: JobSpec | None) -> list[int | None]:
+    """Each result row's position in the whole input (None where its id is no longer there).
+
+    Raises:
+        InputError: the manifest records no valid job, or its input cannot be read.
+    """
+    if job is None:
+        raise InputError("the manifest records no valid job, so its input is unknown")
+    ids = table.column("id").to_pylist()
+    if not job.input.id_column:
+        return ids  # the id is the row's position in the input
+    inp = read_input(job.input, [job.input.id_column])
+    where = {v: i for i, v in enumerate(inp.column(job.input.id_column).to_pylist())}
+    return [where.get(i) for i in ids]
+
+
+def _with_input(table: pa.Table, positions: list[int | None], job: JobSpec) -> pa.Table:
+    """``table`` plus the input's columns of each row's input row (nulls for rows no longer in the
+    input); the id column is left out (it is ``id``), and a name the results use gets an ``input_`` prefix."""
+    inp = read_input(job.input)
+    inp = inp.drop_columns([c for c in (job.input.id_column,) if c in inp.column_names])
+    taken = inp.take(pa.array([p if p is not None and p < inp.num_rows else None for p in positions], pa.int64()))
+    for name, column in zip(taken.column_names, taken.columns):
+        out_name = f"input_{name}" if name in table.column_names else name
+        table = table.append_column(out_name, column)
+    return table
+
+
+def _write(table: pa.Table, fmt: str, path: Path) -> None:
+    import datasets
+
+    if fmt == "parquet":
+        pq.write_table(table, path)
+        return
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # the CLI prints its own line
+    try:
+        ds = datasets.Dataset(table)
+        if fmt == "jsonl":
+            ds.to_json(str(path), lines=True, force_ascii=False, double_precision=_JSON_DECIMALS)
+        else:
+            ds.save_to_disk(str(path))
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_info.json").is_file() and (path / "state.json").is_file()
+
+
+def _check_destination(out_dir: Path, to: Path, fmt: str, overwrite: bool) -> None:
+    if to.resolve() == out_dir.resolve() or out_dir.resolve() in to.resolve().parents:
+        raise ExportError(f"--to {to}: inside the output dir {out_dir} (its readers would see the export as "
+                          "results); write it elsewhere")
+    if not (to.exists() or to.is_symlink()):
+        return
+    if not overwrite:
+        raise ExportError(f"--to {to}: exists; pass --overwrite to replace it")
+    if to.is_dir() and not (fmt == "hf-dir" and (_is_saved_dataset(to) or not any(to.iterdir()))):
+        raise ExportError(f"--to {to}: a directory that is not a saved dataset; not replacing it")
+
+
+def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, overwrite: bool = False,
+                   warn: Callable[[str], None] = print) -> ExportSummary:
+    """Merge the committed shards of ``out_dir`` into one file or directory.
+
+    Rows are sorted by their input row's position in the job's input (joined by id; sample_index
+    second); rows whose id is no longer in the input come last, by id. Columns and types are the
+    shards' (see README "Output"); ``join_input`` appends the input's columns. The destination is
+    written beside itself and renamed into place, so a failed export leaves no partial file.
+
+    Args:
+        out_dir: a pipeline output directory.
+        to: ``*.parquet`` (pyarrow), ``*.jsonl`` (``datasets``' ``to_json``: one object per line, floats
+            with 15 decimal places) or a directory (``datasets``' ``save_to_disk``; ``load_from_disk``
+            reads it).
+        join_input: add the input's columns (the id column aside; names the results use get an
+            ``input_`` prefix), nulls for rows no longer in the input.
+        overwrite: replace an existing destination (a directory only if it is a saved dataset or empty).
+        warn: where a note goes when the input cannot be read (the rows are then sorted by id).
+
+    Raises:
+        OutputError: ``out_dir`` has no manifest or a committed shard is missing.
+        ExportError: nothing committed, unknown format, destination exists or lies inside ``out_dir``.
+        InputError: ``join_input`` and the input cannot be read.
+    """
+    out_dir, dest = Path(out_dir), Path(to)
+    fmt = export_format(to)
+    _check_destination(out_dir, dest, fmt, overwrite)
+    manifest, table = read_committed(out_dir)
+    if table is None:
+        raise ExportError(f"{out_dir}: no committed rows to export")
+    job = manifest_job(manifest)
+    try:
+        positions, by_input = _input_positions(table, job), True
+    except InputError as e:
+        if join_input:
+            raise InputError(f"--join-input: {e}") from None
+        warn(f"note: rows sorted by id and sample_index, not input order: {e}")
+        positions, by_input = [None] * table.num_rows, False
+    last = 2**62  # rows no longer in the input sort after every input position
+    keyed = table.select(["id", "sample_index"]).append_column(
+        "_position", pa.array([last if p is None else p for p in positions], pa.int64()))
+    idx = pc.sort_indices(keyed, sort_keys=[("_position", "ascending"), ("id", "ascending"),
+                                            ("sample_index", "ascending")])
+    table = table.take(idx)
+    if join_input:
+        table = _with_input(table, [positions[i] for i in idx.to_pylist()], job)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.export-{os.getpid()}.tmp"
+    try:
+        _write(table, fmt, tmp)
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        else:
+            tmp.unlink(missing_ok=True)
+    return ExportSummary(path=dest, format=fmt, rows=table.num_rows, columns=table.num_columns,
+                         order="input" if by_input else "id")
