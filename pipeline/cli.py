@@ -98,7 +98,7 @@ def run(job_file, output_dir, limit, force, no_progress, retry_failed, failed_ex
     except USER_ERRORS as e:
         _fail(e)
     except KeyboardInterrupt:
-        click.echo("interrupted before generation started; nothing new was committed", err=True)
+        click.echo("interrupted; committed rows are safe; run the same command again to resume", err=True)
         sys.exit(EXIT_CODES["SIGINT"])
     click.echo(summary.line())
     if summary.interrupted:

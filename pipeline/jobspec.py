@@ -308,13 +308,15 @@ class EngineSpec:
         dequantize: expand quantized weights to ``dtype`` at load: true, false, or "auto" (on the CPU
             with OpenBLAS when the expanded weights fit in 4 GiB; same values, faster matmuls).
         prefill_step_size: prompt tokens per prefill chunk.
-        compile: run decode steps through the compiled closure set; false = eager, for comparison.
+        compile: run decode steps through the compiled closure set: true, false (eager), or "auto"
+            (compiled, except on the CUDA backend with only full caches, where eager decode measured
+            faster; ``pipeline.engine.compile_by_default``).
     """
 
     dtype: str = "auto"
     dequantize: bool | str = "auto"
     prefill_step_size: int = 512
-    compile: bool = True
+    compile: bool | str = "auto"
 
     def check(self):
         """Raises: JobSpecError: every value out of range."""
@@ -323,6 +325,8 @@ class EngineSpec:
             bad.append(f"engine.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.dequantize not in (True, False, "auto"):
             bad.append(f"engine.dequantize must be true, false or auto, got {self.dequantize!r}")
+        if self.compile not in (True, False, "auto"):
+            bad.append(f"engine.compile must be true, false or auto, got {self.compile!r}")
         if self.prefill_step_size < 1:
             bad.append(f"engine.prefill_step_size must be >= 1, got {self.prefill_step_size}")
         bad.raise_any()
