@@ -76,22 +76,7 @@ def convert_gguf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700
     try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        tok._hf.save(str(tmp / "tokenizer.json"))
-        tok_cfg = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": tok.bos_token or None,
-            "eos_token": tok.eos_token or None,
-            "add_bos_token": tok.add_bos_token,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": cfg["max_position_embeddings"],
-        }
-        if tok.chat_template:
-            tok_cfg["chat_template"] = tok.chat_template
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
-        (tmp / "generation_config.json").write_text(
-            json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_id": list(tok.eos_token_ids)}, indent=2))
+        write_model_dir(tmp, cfg, weights, tok)
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)
@@ -99,3 +84,26 @@ def convert_gguf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def write_model_dir(path: Path, config: dict, weights: dict, tokenizer) -> None:
+    """Write an HF-style model directory into the existing folder ``path``: ``model.safetensors``,
+    ``config.json``, ``tokenizer.json``, ``tokenizer_config.json`` (BOS/EOS, ``add_bos_token``, chat
+    template) and ``generation_config.json`` (BOS and every EOS id)."""
+    tok = tokenizer
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    tok._hf.save(str(path / "tokenizer.json"))
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tok.bos_token or None,
+        "eos_token": tok.eos_token or None,
+        "add_bos_token": tok.add_bos_token,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    if tok.chat_template:
+        tok_cfg["chat_template"] = tok.chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
+    (path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_id": list(tok.eos_token_ids)}, indent=2))

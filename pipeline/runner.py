@@ -150,15 +150,11 @@ def check_output_dir(job: JobSpec, output_dir: str | None = None) -> None:
 
 
 def generate_params(gen: GenerationSpec, seed: int) -> GenerateParams:
-    """The engine's per-request settings for one sample of a row whose settings are ``gen``."""
-    return GenerateParams(
-        max_tokens=gen.max_tokens, min_tokens=gen.min_tokens, temperature=gen.temperature, top_p=gen.top_p,
-        top_k=gen.top_k, min_p=gen.min_p, repetition_penalty=gen.repetition_penalty,
-        presence_penalty=gen.presence_penalty, frequency_penalty=gen.frequency_penalty, seed=seed,
-        ignore_eos=gen.ignore_eos, stop=tuple(gen.stop), stop_token_ids=tuple(gen.stop_token_ids),
-        include_stop_str_in_output=gen.include_stop_str_in_output, skip_special_tokens=gen.skip_special_tokens,
-        logprobs=gen.logprobs,
-    )
+    """The engine's per-request settings for one sample of a row whose settings are ``gen`` (the
+    fields both share, by name; lists become tuples)."""
+    shared = {f.name for f in dataclasses.fields(GenerateParams)} - {"seed"}
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(gen).items() if k in shared}
+    return GenerateParams(**values, seed=seed)
 
 
 def row_generation(job: JobSpec, row: InputRow) -> GenerationSpec | str:

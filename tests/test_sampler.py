@@ -210,3 +210,23 @@ def test_same_seed_same_draw_different_seed_different_draws():
     logits = _logits(2, scale=0.5)
     assert all(_draw(logits, seed=s, temperature=1.0) == _draw(logits, seed=s, temperature=1.0) for s in range(20))
     assert len({_draw(logits, seed=s, temperature=1.0) for s in range(20)}) > 5
+
+
+def test_every_engine_setting_is_a_job_key():
+    """The runner passes generation settings to the engine by name: none may be dropped silently."""
+    import dataclasses
+
+    from pipeline.jobspec import GenerationSpec
+    from pipeline.runner import generate_params
+
+    engine_fields = {f.name for f in dataclasses.fields(GenerateParams)} - {"seed"}
+    assert engine_fields <= {f.name for f in dataclasses.fields(GenerationSpec)}
+    spec = GenerationSpec(max_tokens=9, min_tokens=2, temperature=0.5, top_p=0.9, top_k=7, min_p=0.1,
+                          repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3, stop=["x"],
+                          stop_token_ids=[4], include_stop_str_in_output=True, ignore_eos=True,
+                          skip_special_tokens=False, logprobs=3)
+    params = generate_params(spec, seed=11)
+    for name in engine_fields:
+        expected = getattr(spec, name)
+        assert getattr(params, name) == (tuple(expected) if isinstance(expected, list) else expected), name
+    assert params.seed == 11

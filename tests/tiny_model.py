@@ -3,14 +3,13 @@ for end-to-end runs of ``pipeline run`` that take seconds, not minutes."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-
-import pipeline  # noqa: F401  (loads OpenBLAS before mlx.core, as in real runs)
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+import pipeline  # noqa: F401  (loads OpenBLAS before mlx.core, as in real runs)
+from pipeline.convert import write_model_dir
 from pipeline.models.llama import Model, ModelArgs
 from pipeline.tokenizer import Tokenizer
 
@@ -65,19 +64,5 @@ def write_tiny_model(path: str | Path, *, seed: int = 0, tokenizer: Tokenizer | 
     mx.random.seed(seed)
     model = Model(ModelArgs.from_dict(config))
     weights = {k: v * 4 if k.endswith("proj.weight") else v for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    tok._hf.save(str(path / "tokenizer.json"))
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tok.bos_token or None,
-        "eos_token": tok.eos_token or None,
-        "add_bos_token": tok.add_bos_token,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
-        "chat_template": tok.chat_template,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False))
-    (path / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_id": eos_ids}, indent=2))
+    write_model_dir(path, config, weights, tok)
     return path
