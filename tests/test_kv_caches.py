@@ -303,7 +303,7 @@ def test_cache_spec_in_job_file():
 
     base = {"input": {"path": "in.parquet"}, "output": {"dir": "out"}}
     job = job_from_dict(base)
-    assert job.cache == CacheSpec() and job.engine.compile is True and EngineSpec().compile is True
+    assert job.cache == CacheSpec() and job.engine.compile == "auto" and EngineSpec().compile == "auto"
     assert (job.cache.max_kv_size, job.cache.kv_bits, job.cache.kv_group_size, job.cache.quantized_kv_start) == (
         None, None, 64, 0)
     job = job_from_dict({**base, "cache": {"max_kv_size": 1024, "kv_bits": 4, "kv_group_size": 32,
