@@ -94,7 +94,8 @@ def _check_column(table: pa.Table, name: str, key: str, kind: str, ok) -> None:
         raise InputError(f"{key}: column {name!r} not found in input (columns: {', '.join(table.column_names)})")
     t = table.schema.field(name).type
     if not ok(t):
-        raise InputError(f"{key}: column {name!r} has type {t}, expected {kind}")
+        shown = "string" if pa.types.is_large_string(t) else t
+        raise InputError(f"{key}: column {name!r} has type {shown}, expected {kind}")
 
 
 def _is_messages(t: pa.DataType) -> bool:
@@ -416,7 +417,7 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
                       "list<struct<role: string, content: string>>", _is_messages)
     for name in override_columns(spec, table.column_names):
         kind, ok = _OVERRIDE_TYPES.get(name, ("number", _is_number))
-        _check_column(table, name, "per-row override", kind, ok)
+        _check_column(table, name, f"per-row override of generation.{name}", kind, ok)
     all_ids, id_type = _ids(table, spec)
     picked = select_indices(table, spec, all_ids, limit)
     if spec.id_column:

@@ -235,7 +235,7 @@ class GenerationSpec:
         finite = lambda v: v == v and abs(v) != float("inf")  # noqa: E731
         if self.max_tokens < 1:
             bad("max_tokens", ">= 1", self.max_tokens)
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.min_tokens < 0 or self.max_tokens >= 1 and self.min_tokens > self.max_tokens:
             bad("min_tokens", f">= 0 and <= max_tokens ({self.max_tokens})", self.min_tokens)
         if self.n < 1:
             bad("n", ">= 1", self.n)
@@ -519,7 +519,10 @@ def load_job(path: str | Path) -> JobSpec:
     except OSError as e:
         raise JobSpecError(f"cannot read job file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise JobSpecError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise JobSpecError(f"{path}: invalid YAML{where}: {problem}") from None
     try:
         return job_from_dict(data if data is not None else {})
     except JobSpecError as e:

@@ -63,7 +63,9 @@ def job_status(out_dir: str | Path) -> dict:
     committed = store.committed_keys()
     status["rows_pending"] = sum((r.id, k) not in committed for r, k, _ in plan_samples(job, rows))
     status["complete"] = status["rows_pending"] == 0  # the manifest's flag covers only a run's --limit
-    if done and status["rows_pending"]:
+    if status["rows_pending"] == 0:
+        status["eta_s"] = 0.0
+    elif done:
         per_row = (pc.sum(table.column("total_s")).as_py() or 0.0) / done
         status["eta_s"] = status["rows_pending"] * per_row
     return status

@@ -123,7 +123,7 @@ J = "job.yaml: "  # job-file problems start with the job file's path
 VALIDATE = ("validate",)
 CASES = [
     # the job file itself
-    Case("not-yaml", [J + "invalid YAML: while parsing a flow sequence"], "input: [unclosed\noutput:\n  dir: out\n"),
+    Case("not-yaml", [J + "invalid YAML at line 2, column 7: expected ',' or ']', but got ':'"], "input: [unclosed\noutput:\n  dir: out\n"),
     Case("not-a-mapping", [J + "job must be a mapping, got list"], "- input\n- output\n"),
     Case("a-plain-string", [J + "job must be a mapping, got str"], "just some text\n", commands=VALIDATE),
     Case("empty-job-file", [J + "missing required key 'input'", J + "missing required key 'output'"], "",
@@ -235,7 +235,7 @@ CASES = [
          data=table(id=[1, 2], prompt=[3, 4])),
     Case("float-id-column", ["input.id_column: column 'id' has type double, expected integer or string"],
          data=table(id=[1.5, 2.5], prompt=["a", "b"]), commands=VALIDATE),
-    Case("string-temperature-column", ["per-row override: column 'temperature' has type string, expected number"],
+    Case("string-temperature-column", ["per-row override of generation.temperature: column 'temperature' has type string, expected number"],
          data=table(id=[1, 2], prompt=["a", "b"], temperature=["0.5", "hot"])),
     Case("string-messages-column",
          ["input.messages_column: column 'messages' has type string, expected "

@@ -270,3 +270,15 @@ def test_cli_validate(tmp_path):
     proc = _pipeline_cli("validate", "jobs/eval.yaml")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok: jobs/eval.yaml: 32 input rows")
+
+
+def test_bad_max_tokens_is_one_problem_not_two():
+    """min_tokens is compared with max_tokens only when max_tokens itself is valid."""
+    from pipeline.jobspec import GenerationSpec, with_overrides
+
+    with pytest.raises(JobSpecError) as e:
+        job_from_dict({"input": {"path": "x"}, "output": {"dir": "o"}, "generation": {"max_tokens": -1}})
+    assert str(e.value) == "generation.max_tokens must be >= 1, got -1"
+    with pytest.raises(JobSpecError) as e:
+        with_overrides(GenerationSpec(), {"max_tokens": -3})
+    assert str(e.value) == "input column 'max_tokens' must be >= 1, got -3"
