@@ -107,17 +107,22 @@ class LoadedModel:
         logits = self.engine.forward(list(token_ids))
         return np.array(logits - mx.logsumexp(logits), dtype=np.float32)
 
-    def generate(self, prompt: str, *, apply_chat_template: bool = True, **params) -> str:
-        """Completion text for one user ``prompt`` (wrapped in the chat template unless told not to).
+    def generate(self, prompt: str, *, apply_chat_template: bool = True, system_prompt: str | None = None,
+                 **params) -> str:
+        """Completion text for one user ``prompt``, built as a job builds it (chat template unless told
+        not to, special-token text in ``prompt`` encoded as plain text, one BOS).
 
         ``params`` are ``GenerateParams`` fields (max_tokens defaults to 64 here).
+
+        Raises:
+            RowError: an empty prompt; ValueError: a prompt that fills the model's context.
         """
-        tok = self.tokenizer
-        if apply_chat_template:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}])
-            ids = tok.encode(text, parse_special=True, add_bos=tok.add_bos_token)
-        else:
-            ids = tok.encode(prompt, add_bos=tok.add_bos_token)
+        from .inputs import InputRow
+        from .jobspec import InputSpec
+        from .prompts import build_prompt
+
+        spec = InputSpec(path="", apply_chat_template=apply_chat_template, system_prompt=system_prompt)
+        ids = build_prompt(InputRow(index=0, id=0, prompt=prompt, messages=None), spec, self.tokenizer).token_ids
         return self.engine.generate(ids, GenerateParams(**{"max_tokens": 64, **params})).text
 
 
