@@ -35,6 +35,7 @@ from . import _blas
 from .engine import Engine, GenerateParams
 from .loader import compute_dtype, should_dequantize
 from .models import FAMILIES, build_model, dequantize_model, dequantized_nbytes
+from .models.base import fuse_projections
 
 SCHEMA = "pipeline.bench/1"
 
@@ -404,6 +405,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
         dequantize = should_dequantize(ours, dtype)
     if dequantize:
         dequantize_model(ours, dtype)
+    fuse_projections(ours)  # as load_model does
     load_s = time.perf_counter() - t
     args = ours.args
     context = int(args.max_position_embeddings)

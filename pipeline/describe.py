@@ -72,7 +72,7 @@ def describe_model(spec: str) -> dict:
     Raises:
         the errors of ``load_model``.
     """
-    lm = load_model(spec, dequantize=False)
+    lm = load_model(spec, dequantize=False, fuse=False)
     cfg, model, tok = lm.config, lm.model, lm.tokenizer
     files = weight_files(lm.path) if lm.path.is_dir() else [lm.path]
     n_params, kinds = _weights(model, _stored_dtypes(files) if lm.path.is_dir() else {})

@@ -62,8 +62,52 @@ def _type_name(tp) -> str:
                        for o in _options(tp))
 
 
+def concat_linears(layers: list[nn.Module]) -> nn.Module | None:
+    """One linear layer whose output is the concatenation of ``layers``' outputs for the same input:
+    weights (and quantization scales and biases, and bias vectors) stacked along the output dimension,
+    so one matmul kernel runs instead of ``len(layers)``. Each output row is computed from the same
+    weights as before. None when the layers differ in kind, dtype, bias or quantization (bits, group).
+    """
+    first = layers[0]
+    if len({type(m) for m in layers}) != 1 or len({"bias" in m for m in layers}) != 1:
+        return None
+    cat = lambda name: mx.concatenate([m[name] for m in layers])  # noqa: E731
+    if type(first) is nn.Linear:
+        if len({m.weight.dtype for m in layers}) != 1:
+            return None
+        out = nn.Linear(1, 1, bias=False)
+        out.weight = cat("weight")
+    elif type(first) is nn.QuantizedLinear:
+        if len({(m.bits, m.group_size, m.mode, m.get("biases") is None) for m in layers}) != 1:
+            return None
+        out = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+        nn.Module.__init__(out)
+        out.group_size, out.bits, out.mode = first.group_size, first.bits, first.mode
+        out.weight, out.scales = cat("weight"), cat("scales")
+        out.biases = None if first.get("biases") is None else cat("biases")
+        out.freeze()
+    else:
+        return None
+    if "bias" in first:
+        out.bias = cat("bias")
+    return out
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Fuse, in place, the projections that read the same input (q/k/v; gate/up) in every module that
+    offers it (a ``fuse()`` method): fewer kernel launches per token, same values. Call after loading
+    (and dequantizing) the weights."""
+    for _, m in model.named_modules():
+        if hasattr(m, "fuse"):
+            m.fuse()
+    mx.eval(model.parameters())
+
+
 class SwiGLU(nn.Module):
-    """The gated SiLU MLP of Llama and Qwen: ``down(silu(gate(x)) * up(x))``; ``(..., dim) -> (..., dim)``."""
+    """The gated SiLU MLP of Llama and Qwen: ``down(silu(gate(x)) * up(x))``; ``(..., dim) -> (..., dim)``.
+
+    After ``fuse()`` gate and up run as one projection ``gate_up_proj``.
+    """
 
     def __init__(self, dim: int, hidden: int, bias: bool = False):
         super().__init__()
@@ -71,8 +115,35 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
 
+    def fuse(self) -> None:
+        fused = concat_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            self.pop("gate_proj"), self.pop("up_proj")
+
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.silu(gate) * up)
+
+
+def fuse_qkv(attn: nn.Module) -> None:
+    """Replace ``attn``'s q/k/v projections by one ``qkv_proj`` when they can be fused."""
+    fused = concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+    if fused is not None:
+        attn.qkv_proj = fused
+        attn.pop("q_proj"), attn.pop("k_proj"), attn.pop("v_proj")
+
+
+def project_qkv(attn: nn.Module, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """``(q, k, v)`` projections of ``x`` ``(B, L, dim)``: flat ``(B, L, heads * head_dim)`` each,
+    through ``qkv_proj`` when fused."""
+    if "qkv_proj" in attn:
+        nq, nk = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
+        return tuple(mx.split(attn.qkv_proj(x), [nq, nq + nk], axis=-1))
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
 
 def output_logits(lm: nn.Module, h: mx.array, last_only: bool) -> mx.array:

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
-from .base import BaseModelArgs, SwiGLU, drop_unused, output_logits
+from .base import BaseModelArgs, SwiGLU, drop_unused, fuse_qkv, output_logits, project_qkv
 from .rope import make_rope
 
 
@@ -54,11 +54,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=bias)
         self.rope = make_rope(self.head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling)
 
+    def fuse(self) -> None:
+        fuse_qkv(self)
+
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = project_qkv(self, x)
+        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=cache.offset)
         k = self.rope(k, offset=cache.offset)
         mask = cache.make_mask(L)

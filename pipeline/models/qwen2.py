@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
-from .base import BaseModelArgs, SwiGLU, drop_unused, output_logits
+from .base import BaseModelArgs, SwiGLU, drop_unused, fuse_qkv, output_logits, project_qkv
 from .rope import make_rope
 
 
@@ -51,7 +51,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         dim, self.n_heads, self.n_kv_heads = args.hidden_size, args.num_attention_heads, args.num_key_value_heads
-        head_dim = args.head_dim
+        self.head_dim = head_dim = args.head_dim
         self.scale = head_dim**-0.5
         bias = args.qkv_bias
         self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=bias)
@@ -64,12 +64,16 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
         self.rope = make_rope(head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling)
 
+    def fuse(self) -> None:
+        fuse_qkv(self)
+
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         """``x`` ``(B, L, hidden)`` -> ``(B, L, hidden)``."""
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = project_qkv(self, x)
+        q = q.reshape(B, L, self.n_heads, -1)
+        k = k.reshape(B, L, self.n_kv_heads, -1)
+        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.rope(q.transpose(0, 2, 1, 3), offset=cache.offset)
