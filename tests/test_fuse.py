@@ -36,7 +36,10 @@ def test_fused_layout_and_identical_logits(quantization):
     n_plain = sum(v.size for _, v in tree_flatten(plain.parameters()))
     assert sum(v.size for _, v in tree_flatten(fused.parameters())) == n_plain
     ids = mx.array([[3, 17, 42, 9, 88, 5, 61]])
-    assert mx.array_equal(plain(ids, plain.make_cache()), fused(ids, fused.make_cache())).item()
+    a, b = plain(ids, plain.make_cache()), fused(ids, fused.make_cache())
+    # same dot products; a BLAS may block a wider float matrix differently (last-bit differences)
+    assert mx.allclose(a, b, rtol=1e-5, atol=1e-5).item()
+    assert mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1)).item()
 
 
 def test_layers_that_differ_are_not_fused():
