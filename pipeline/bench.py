@@ -150,6 +150,19 @@ def _cache_spec(kind: dict):
 # --- models ------------------------------------------------------------------------------------------
 
 
+def random_tensor(name: str, shape: tuple[int, ...]) -> mx.array:
+    """Random float32 values for the parameter ``name``, spread so logits and greedy paths are not
+    degenerate: norm weights 1 + 0.1 N(0,1), other vectors 0.1 N(0,1), embeddings N(0, EMBED_STD),
+    matrices N(0, 1/in)."""
+    if len(shape) == 1 and name.endswith("norm.weight"):
+        return 1.0 + 0.1 * mx.random.normal(shape)
+    if len(shape) == 1:
+        return 0.1 * mx.random.normal(shape)
+    if "embed" in name:
+        return EMBED_STD * mx.random.normal(shape)
+    return mx.random.normal(shape) * shape[-1] ** -0.5
+
+
 def random_weights(config: dict, dtype: mx.Dtype, *, bits: int = 4, group_size: int = 64, seed: int = 0,
                    chunk_elements: int = 1 << 24) -> dict[str, mx.array]:
     """Random HF-named weights for ``config``, every Linear/Embedding whose input size is a multiple of
@@ -188,15 +201,7 @@ def random_weights(config: dict, dtype: mx.Dtype, *, bits: int = 4, group_size: 
             mx.eval(weights[name], weights[f"{prefix}.scales"], weights[f"{prefix}.biases"])
             del parts
         else:
-            if p.ndim == 1 and name.endswith("norm.weight"):
-                new = 1.0 + 0.1 * mx.random.normal(p.shape)
-            elif p.ndim == 1:
-                new = 0.1 * mx.random.normal(p.shape)
-            elif "embed" in name:
-                new = EMBED_STD * mx.random.normal(p.shape)
-            else:
-                new = mx.random.normal(p.shape) * p.shape[-1] ** -0.5
-            weights[name] = new.astype(dtype)
+            weights[name] = random_tensor(name, p.shape).astype(dtype)
             mx.eval(weights[name])
     return weights
 

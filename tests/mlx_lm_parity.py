@@ -6,35 +6,21 @@ mlx-lm (a test-only peer) is the reference implementation of each architecture.
 from __future__ import annotations
 
 import importlib
-import math
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from pipeline.bench import random_tensor
 from pipeline.models import build_model
-
-
-EMBED_STD = 0.1
 
 
 def randomize(model: nn.Module, seed: int) -> None:
     """Replace mlx-lm's initial weights by random ones with larger spread, so logits and greedy paths
-    are not degenerate: norms ~ 1 + 0.1 N(0,1) (or 0.1 N for (1 + w) norms, which is equally fine),
-    embeddings N(0, EMBED_STD), matrices N(0, 1/in), biases 0.1 N(0,1)."""
+    are not degenerate (``pipeline.bench.random_tensor``: the rule ``pipeline bench --random`` uses)."""
     mx.random.seed(seed)
-    params = []
-    for name, p in tree_flatten(model.parameters()):
-        if p.ndim == 1 and name.endswith("norm.weight"):
-            new = 1.0 + 0.1 * mx.random.normal(p.shape)
-        elif p.ndim == 1:
-            new = 0.1 * mx.random.normal(p.shape)
-        elif "embed" in name:
-            new = EMBED_STD * mx.random.normal(p.shape)
-        else:
-            new = mx.random.normal(p.shape) / math.sqrt(p.shape[-1])
-        params.append((name, new.astype(mx.float32)))
+    params = [(name, random_tensor(name, p.shape)) for name, p in tree_flatten(model.parameters())]
     model.update(tree_unflatten(params))
     mx.eval(model.parameters())
 
