@@ -297,7 +297,8 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
     rows, id_type = read_rows(job.input, limit)
     path = resolve_model(job.model)
     store = ShardStore(out_dir, fingerprint(job, model_identity(job.model, path)), force=force)
-    _report_open(store, job, echo)
+    inputs = input_state(job)
+    _report_open(store, inputs, echo)
     done = store.committed_keys()
     planned = plan_samples(job, rows)
     if limit is None and job.input.limit is None and job.input.filter is None:  # else rows left out on purpose
@@ -305,7 +306,7 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
     retry = store.failed_keys() if retry_failed else set()
     pending = [p for p in planned if (p[0].id, p[1]) not in done or (p[0].id, p[1]) in retry]
     summary = RunSummary(out_dir=out_dir, rows_total=len(planned), rows_skipped=len(planned) - len(pending))
-    store.manifest["inputs"] = input_state(job)
+    store.manifest["inputs"] = inputs
     store.manifest["info"] = {"python": sys.version.split()[0], "job": job.to_dict()}
     run_record = {"started": _now(), "rows_pending": len(pending), "retry_failed": retry_failed, "force": force}
     store.manifest.setdefault("runs", []).append(run_record)
@@ -380,7 +381,7 @@ def _finish(summary: RunSummary, store: ShardStore, run_record: dict) -> RunSumm
     return summary
 
 
-def _report_open(store: ShardStore, job: JobSpec, echo) -> None:
+def _report_open(store: ShardStore, inputs: list[dict], echo) -> None:
     """Say what opening the output dir cleaned up and whether the input files changed since last run."""
     r = store.report
     if r.orphans:
@@ -389,7 +390,7 @@ def _report_open(store: ShardStore, job: JobSpec, echo) -> None:
     if r.temporaries:
         echo(f"removed {len(r.temporaries)} leftover temporary file(s) of an interrupted write")
     before = store.manifest.get("inputs")
-    if before is not None and before != input_state(job):
+    if before is not None and before != inputs:
         echo("the input files changed since the last run: rows added are generated, committed rows are kept")
 
 

@@ -119,6 +119,13 @@ def read_manifest(out_dir: str | Path) -> dict | None:
     return manifest
 
 
+def read_committed(out_dir: str | Path, manifest: dict, columns: list[str] | None = None) -> pa.Table | None:
+    """The rows of the shards ``manifest`` lists (only ``columns`` if given), in commit order; None if
+    there are none. Reads only; for a directory another process may be writing."""
+    tables = [pq.read_table(Path(out_dir) / e["file"], columns=columns) for e in manifest["shards"]]
+    return pa.concat_tables(tables) if tables else None
+
+
 def check_output_dir(out_dir: str | Path, fingerprint: dict, *, force: bool = False) -> dict | None:
     """Check, without changing anything, that ``out_dir`` can hold this job's results: it is missing,
     empty, or holds a manifest with the same fingerprint (any fingerprint when ``force``).
@@ -211,8 +218,7 @@ class ShardStore:
 
     def committed_table(self, columns: list[str] | None = None) -> pa.Table | None:
         """Every committed row (only ``columns`` if given), in commit order; None if there are none."""
-        tables = [pq.read_table(f, columns=columns) for f in self.shard_files]
-        return pa.concat_tables(tables) if tables else None
+        return read_committed(self.dir, self.manifest, columns)
 
     def committed_keys(self) -> set[tuple]:
         """``(id, sample_index)`` of every committed row."""

@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 
 from .inputs import InputError, read_rows
 from .jobspec import JobSpecError, job_from_dict
-from .shards import OutputError, ShardStore, read_manifest
+from .shards import OutputError, read_committed, read_manifest
 
 _COLUMNS = ["id", "sample_index", "error", "completion_tokens", "total_s", "decode_tps"]
 
@@ -31,9 +31,7 @@ def job_status(out_dir: str | Path) -> dict:
     manifest = read_manifest(out_dir)
     if manifest is None:
         raise OutputError(f"{out_dir}: no manifest.json (not a pipeline output directory, or nothing committed yet)")
-    store = ShardStore.__new__(ShardStore)  # read-only view: no cleanup, no manifest writes
-    store.dir, store.manifest = out_dir, manifest
-    table = store.committed_table([c for c in _COLUMNS])
+    table = read_committed(out_dir, manifest, _COLUMNS)
     runs = manifest.get("runs", [])
     done = 0 if table is None else table.num_rows
     status = {
@@ -60,7 +58,7 @@ def job_status(out_dir: str | Path) -> dict:
         return status
     from .runner import plan_samples
 
-    committed = store.committed_keys()
+    committed = set() if table is None else set(zip(table["id"].to_pylist(), table["sample_index"].to_pylist()))
     status["rows_pending"] = sum((r.id, k) not in committed for r, k, _ in plan_samples(job, rows))
     status["complete"] = status["rows_pending"] == 0  # the manifest's flag covers only a run's --limit
     if status["rows_pending"] == 0:
