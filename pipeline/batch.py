@@ -1,0 +1,351 @@
+"""Continuous batching: up to ``batch_size`` requests decode together, one model forward per step.
+
+A request is prefilled alone (batch 1, through the engine's own caches, so every cache kind and
+chunked prefill work exactly as in sequential mode), then its keys and values are copied into its
+*slot*: row ``b`` of per-layer batch buffers ``(B, n_kv_heads, capacity, head_dim)`` (quantized
+layers: the ``(packed, scales, biases)`` triples). Each decode step runs the unmodified model on the
+``(B, 1)`` tokens of every slot against ``BatchView`` s of those buffers, with each slot's own
+position (RoPE offset, write slot and attention mask come from a ``(B,)`` int32 position vector). A
+request that ends (EOS, stop token, stop string, ``max_tokens``) leaves its slot at once and the next
+request is prefilled into it, overwriting the slot (positions it has not written are zero).
+
+Sampling is per request: greedy requests without penalties, suppression or logprobs take the
+argmax of their row of the batched logits; every other request runs ``sampler.sample_step`` on its
+own row with its own constants and random key, so the token a request samples never depends on its
+neighbours' random draws. The step shape (B slots, ``capacity`` positions) is fixed for a run, so the
+arithmetic a request sees does not depend on which requests share the batch or how many of them are
+active (idle slots run on zeros); it differs from batch-1 decoding in the last bits because
+different matmul shapes run (docs/BENCHMARKS.md measures how often greedy completions differ).
+
+The step is ``mx.compile``d per ``(layer kinds, B)`` (``engine.compile``; "auto" as in sequential
+mode) with everything that changes per step passed as arrays.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .compiled import LayerKind, layer_capacity, layer_kind
+from .engine import Engine, GenerateParams, Generation
+from .sampler import SamplerKind, sample_step, sampler_consts, sampler_state
+from .stops import StopChecker
+
+
+@dataclass
+class Request:
+    """One generation to run: ``tag`` comes back with its result (e.g. ``(row id, sample index)``)."""
+
+    tag: object
+    prompt_ids: list[int]
+    params: GenerateParams
+
+
+class BatchView:
+    """One layer's batch buffers as seen by one batched decode step (one new token per slot).
+
+    Holds ``keys``/``values`` ``(B, n_kv_heads, capacity, head_dim)`` (quantized layers: triples) and
+    ``offset``, the ``(B,)`` int32 positions of the new tokens. ``update_and_fetch`` writes each slot's
+    key and value at its position (``position % window`` for rotating layers) and returns the whole
+    buffers; ``make_mask`` marks, per slot, the written slots (for a ring that has wrapped: all of them,
+    which are exactly the window).
+    """
+
+    def __init__(self, kind: LayerKind, keys, values, pos: mx.array):
+        self.kind, self.keys, self.values, self.offset = kind, keys, values, pos
+
+    def make_mask(self, n: int) -> mx.array:
+        """``(B, 1, 1, capacity)`` bool: True where the slot holds a position at or before the query."""
+        visible = mx.arange(self.kind.capacity)[None, :] <= self.offset[:, None]
+        return visible[:, None, None, :]
+
+    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        kind = self.kind
+        slot = self.offset % kind.window if kind.window else self.offset
+        idx = slot.reshape(-1, 1, 1, 1)
+
+        def put(buf, x):
+            return mx.put_along_axis(buf, mx.broadcast_to(idx, x.shape), x, axis=2)
+
+        if not kind.quantized:
+            self.keys, self.values = put(self.keys, k), put(self.values, v)
+            return self.keys, self.values
+
+        def store(buffers, x):
+            parts = mx.quantize(x, group_size=kind.group_size, bits=kind.bits)
+            return tuple(put(b, p) for b, p in zip(buffers, parts))
+
+        self.keys, self.values = store(self.keys, k), store(self.values, v)
+        fetch = lambda b: mx.dequantize(*b, group_size=kind.group_size, bits=kind.bits).astype(k.dtype)  # noqa: E731
+        return fetch(self.keys), fetch(self.values)
+
+
+def _is_plain_greedy(kind: SamplerKind) -> bool:
+    return kind.greedy and not kind.penalties and not kind.suppress and kind.logprobs is None
+
+
+def _stored_slots(cache) -> int:
+    """Slots of a batch-1 cache holding positions after prefill (a ring holds at most its window)."""
+    return cache.offset if cache.max_size is None else min(cache.offset, cache.max_size)
+
+
+def position_bytes(cache) -> int:
+    """Bytes one position of one slot takes in a layer's batch buffers (keys + values), from the
+    geometry of a batch-1 cache that has run at least one token."""
+    _, H, k_dim, v_dim, dtype = cache._buffer_geometry()
+    if cache.bits is None:
+        return H * (k_dim + v_dim) * dtype.size
+    per = lambda d: H * (d * cache.bits // 32 * 4 + 2 * (d // cache.group_size) * dtype.size)  # noqa: E731
+    return per(k_dim) + per(v_dim)
+
+
+@dataclass
+class _Slot:
+    request: Request
+    kind: SamplerKind
+    consts: tuple
+    state: tuple
+    stop_ids: frozenset
+    max_tokens: int
+    checker: StopChecker | None
+    t0: float
+    t_first: float
+    tokens: list[int] = field(default_factory=list)
+    picked: list[tuple] = field(default_factory=list)
+    steps: int = 0
+
+
+class BatchEngine:
+    """Continuous batching over an ``Engine`` (its model, tokenizer, EOS ids, cache layout and
+    prefill); results are ``Generation`` s as ``Engine.generate`` returns them, plus the slot count.
+
+    Args:
+        engine: the sequential engine (its batch-1 caches are used for prefill).
+        batch_size: slots B (>= 1).
+        max_positions: prompt + generated tokens any request may need; sets the buffers' capacity
+            (``compiled.layer_capacity``: a power-of-two bucket >= 256, at most a layer's window).
+
+    Memory: ``kv_bytes()`` = B x capacity x ``position_bytes`` summed over layers, allocated at the first
+    request and kept for the run.
+    """
+
+    def __init__(self, engine: Engine, batch_size: int, max_positions: int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.engine = engine
+        self.B = batch_size
+        self.max_positions = max_positions
+        self.kinds = tuple(layer_kind(c, layer_capacity(c, max_positions)) for c in engine.cache)
+        self.buffers: list | None = None
+        self._closures: dict[tuple, object] = {}
+        self.trace_count = 0
+
+    def kv_bytes(self) -> int:
+        """Bytes of the batch buffers (needs the engine's caches to have run one token, e.g. after
+        ``engine.forward``)."""
+        return self.B * sum(k.capacity * position_bytes(c) for k, c in zip(self.kinds, self.engine.cache))
+
+    # -- the batched step ------------------------------------------------------------------------------
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self.engine.compile)
+
+    def _step_fn(self):
+        key = (self.kinds, self.B, self.compiled)
+        if key not in self._closures:
+            model, kinds = self.engine.model, self.kinds
+
+            def step(tokens, pos, active, *buffers):
+                self.trace_count += self.compiled
+                views = [BatchView(k, buffers[2 * i], buffers[2 * i + 1], pos) for i, k in enumerate(kinds)]
+                logits = model(tokens.reshape(-1, 1), views)[:, -1, :].astype(mx.float32)
+                out = [logits, mx.argmax(logits, axis=-1).astype(mx.uint32), pos + active]
+                for v in views:
+                    out += [v.keys, v.values]
+                return tuple(out)
+
+            self._closures[key] = mx.compile(step) if self.compiled else step
+        return self._closures[key]
+
+    def _allocate(self) -> None:
+        """Zero batch buffers shaped after the (already used) batch-1 caches."""
+        bufs = []
+        for kind, c in zip(self.kinds, self.engine.cache):
+            _, H, k_dim, v_dim, dtype = c._buffer_geometry()
+            for dim in (k_dim, v_dim):
+                shape = (self.B, H, kind.capacity)
+                if kind.quantized:
+                    n_groups = dim // kind.group_size
+                    bufs.append((mx.zeros((*shape, dim * kind.bits // 32), mx.uint32),
+                                 mx.zeros((*shape, n_groups), dtype), mx.zeros((*shape, n_groups), dtype)))
+                else:
+                    bufs.append(mx.zeros((*shape, dim), dtype))
+        self.buffers = bufs
+
+    def _load_slot(self, b: int) -> None:
+        """Copy the batch-1 caches (just prefilled) into slot ``b``; the rest of the slot becomes zeros."""
+        for i, (kind, c) in enumerate(zip(self.kinds, self.engine.cache)):
+            n = _stored_slots(c)
+            for j, src in enumerate((c.keys, c.values)):
+                if kind.quantized and not isinstance(src, tuple):  # quantized_kv_start not reached in prefill
+                    src = mx.quantize(src[..., :n, :], group_size=kind.group_size, bits=kind.bits)
+                parts = src if isinstance(src, tuple) else (src,)
+                dst = self.buffers[2 * i + j]
+                dsts = dst if isinstance(dst, tuple) else (dst,)
+                new = []
+                for d, s in zip(dsts, parts):
+                    s = s[..., :n, :]
+                    pad = mx.zeros((1, s.shape[1], kind.capacity - n, s.shape[3]), s.dtype)
+                    d[b : b + 1] = mx.concatenate([s, pad], axis=2) if kind.capacity > n else s
+                    new.append(d)
+                self.buffers[2 * i + j] = tuple(new) if isinstance(dst, tuple) else new[0]
+
+    # -- requests --------------------------------------------------------------------------------------
+
+    def _admit(self, req: Request) -> _Slot | Generation:
+        """Prefill ``req`` and sample its first token; a ``Generation`` if it already finished."""
+        eng = self.engine
+        params, n_prompt = req.params, len(req.prompt_ids)
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if n_prompt == 0:
+            raise ValueError("prompt has no tokens")
+        if n_prompt >= eng.context_length:
+            raise ValueError(f"prompt has {n_prompt} tokens; the model's context is {eng.context_length}")
+        if params.stop and eng.tokenizer is None:
+            raise ValueError("stop strings need an engine with a tokenizer")
+        max_tokens = min(params.max_tokens, eng.context_length - n_prompt)
+        if n_prompt + max_tokens > self.max_positions:
+            raise ValueError(f"prompt of {n_prompt} tokens + max_tokens {max_tokens} exceeds the batch "
+                             f"capacity of {self.max_positions} positions")
+        eng.reset()
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eng.eos_token_ids)
+        t0 = time.perf_counter()
+        logits = eng._prefill(mx.array(req.prompt_ids, dtype=mx.uint32))
+        vocab = logits.shape[-1]
+        kind = SamplerKind.of(params, stop_ids)
+        consts = sampler_consts(params, vocab, stop_ids)
+        y, state, extras = sample_step(kind, logits, consts, sampler_state(kind, params.seed, req.prompt_ids, vocab))
+        mx.eval(y, *extras, *state)
+        slot = _Slot(req, kind, consts, state, stop_ids, max_tokens,
+                     StopChecker(eng.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens)
+                     if params.stop else None, t0, time.perf_counter())
+        done = self._push(slot, y.item(), extras)
+        return self._finish(slot, done) if done else slot
+
+    def _push(self, slot: _Slot, tok: int, extras) -> tuple | None:
+        """Record one sampled token; ``(finish_reason, stop_token_id, stop_reason)`` if the request ends."""
+        if tok in slot.stop_ids:
+            return "stop", tok, tok
+        slot.tokens.append(tok)
+        slot.picked.append(extras)
+        if slot.checker is not None:
+            matched = slot.checker.push(tok)
+            if matched is not None and len(slot.tokens) >= slot.request.params.min_tokens:
+                return "stop", None, matched
+        if len(slot.tokens) >= slot.max_tokens:
+            return "length", None, None
+        return None
+
+    def _finish(self, slot: _Slot, done: tuple) -> Generation:
+        finish, stop_id, stop_reason = done
+        t_end = time.perf_counter()
+        n_prompt = len(slot.request.prompt_ids)
+        ttft = slot.t_first - slot.t0
+        gen = Generation(token_ids=slot.tokens, finish_reason=finish, stop_token_id=stop_id, prompt_tokens=n_prompt,
+                         ttft_s=ttft, prefill_tps=n_prompt / ttft, decode_tps=None, total_s=0.0,
+                         peak_memory_bytes=int(mx.get_peak_memory()), compiled=self.compiled,
+                         stop_reason=stop_reason)
+        n_decoded = len(slot.tokens) + (stop_id is not None) - 1
+        if n_decoded > 0 and t_end > slot.t_first:
+            gen.decode_tps = n_decoded / (t_end - slot.t_first)
+        if slot.kind.logprobs is not None:
+            Engine._fill_logprobs(gen, slot.picked)
+        if self.engine.tokenizer is not None:
+            self.engine._fill_text(gen, slot.request.params)
+        gen.total_s = time.perf_counter() - slot.t0
+        return gen
+
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[object, Generation | ValueError]]:
+        """Generate every request; yields ``(tag, Generation)`` as each finishes (not in request order),
+        or ``(tag, ValueError)`` for a request that cannot run (empty prompt, too long, ...).
+
+        Requests are pulled from ``requests`` only when a slot is free, so a caller can stop feeding
+        (e.g. on SIGINT) and the requests in flight still finish.
+        """
+        source = iter(requests)
+        slots: list[_Slot | None] = [None] * self.B
+        exhausted = False
+        mx.reset_peak_memory()
+
+        def fill(b: int, pending_out: list) -> _Slot | None:
+            """Admit requests into slot ``b`` until one needs decoding (or the source runs out)."""
+            nonlocal exhausted
+            while not exhausted:
+                req = next(source, None)
+                if req is None:
+                    exhausted = True
+                    return None
+                try:
+                    got = self._admit(req)
+                except ValueError as e:
+                    pending_out.append((req.tag, e))
+                    continue
+                if isinstance(got, Generation):
+                    pending_out.append((req.tag, got))
+                    continue
+                if self.buffers is None:
+                    self._allocate()
+                self._load_slot(b)
+                return got
+            return None
+
+        out: list = []
+        for b in range(self.B):
+            slots[b] = fill(b, out)
+        yield from out
+        pos = mx.array([len(s.request.prompt_ids) if s else 0 for s in slots], dtype=mx.int32)
+        tokens = mx.array([s.tokens[-1] if s else 0 for s in slots], dtype=mx.uint32)
+        active = mx.array([s is not None for s in slots], dtype=mx.int32)  # idle slots stay at position 0
+        step = self._step_fn()
+        while any(s is not None for s in slots):
+            logits, greedy, pos, *bufs = step(tokens, pos, active, *self.buffers)
+            self.buffers = bufs
+            per_slot, extras = {}, {}
+            for b, s in enumerate(slots):
+                if s is not None and not _is_plain_greedy(s.kind):
+                    tok, s.state, extras[b] = sample_step(s.kind, logits[b : b + 1], s.consts, s.state)
+                    per_slot[b] = tok
+            if per_slot:
+                picked = mx.concatenate([per_slot[b] if b in per_slot else mx.zeros((1,), mx.uint32)
+                                         for b in range(self.B)])
+                use = mx.array([b in per_slot for b in range(self.B)])
+                nxt = mx.where(use, picked, greedy)
+            else:
+                nxt = greedy
+            states = [x for b in per_slot for x in slots[b].state]
+            mx.eval(nxt, pos, *self.buffers, *states, *(x for e in extras.values() for x in e))
+            toks = nxt.tolist()
+            out = []
+            changed = {}  # slot -> (token, position) replacing the step's outputs
+            for b, s in enumerate(slots):
+                if s is None:
+                    continue
+                s.steps += 1
+                done = self._push(s, toks[b], extras.get(b, ()))
+                if done:
+                    out.append((s.request.tag, self._finish(s, done)))
+                    slots[b] = fill(b, out)
+                    new = slots[b]
+                    changed[b] = (new.tokens[-1], len(new.request.prompt_ids)) if new else (0, 0)  # idle: stays at 0
+            if changed:
+                p = pos.tolist()
+                pos = mx.array([changed[b][1] if b in changed else x for b, x in enumerate(p)], dtype=mx.int32)
+                nxt = mx.array([changed[b][0] if b in changed else t for b, t in enumerate(toks)], dtype=mx.uint32)
+                active = mx.array([s is not None for s in slots], dtype=mx.int32)
+            tokens = nxt
+            yield from out
