@@ -1,6 +1,6 @@
 """pipeline: batch offline text generation on MLX."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from ._blas import load_openblas
 

@@ -23,6 +23,7 @@ mode) with everything that changes per step passed as arrays.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import mlx.core as mx
 
 from .compiled import LayerKind, layer_capacity, layer_kind
 from .engine import Engine, GenerateParams, Generation
+from .jobspec import JobSpecError
 from .sampler import SamplerKind, sample_step, sampler_consts, sampler_state
 from .stops import StopChecker
 
@@ -102,6 +104,44 @@ def position_bytes(cache) -> int:
     return per(k_dim) + per(v_dim)
 
 
+def memory_limit() -> tuple[int, str]:
+    """``(bytes, what)``: memory a batched job may give its KV buffers: 90% of the device's memory
+    (``mx.device_info()["memory_size"]`` on a GPU; physical RAM on the CPU) minus what MLX holds now
+    (the loaded weights)."""
+    info = mx.device_info()
+    total = info.get("memory_size") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    what = "the GPU's memory" if "memory_size" in info else "the machine's memory"
+    return int(0.9 * total) - int(mx.get_active_memory()), what
+
+
+def check_kv_memory(engine: BatchEngine, max_kv_memory_gb: float | None) -> int:
+    """Refuse a batch whose KV buffers do not fit; returns their size in bytes.
+
+    Raises:
+        JobSpecError: ``engine.kv_bytes()`` exceeds ``max_kv_memory_gb`` x 10**9 bytes, or
+            ``memory_limit()``; the message gives the size, the per-slot size and the largest
+            ``engine.batch_size`` that fits.
+    """
+    per_slot = engine.slot_bytes()
+    need = engine.B * per_slot
+    limits = [memory_limit()]
+    if max_kv_memory_gb is not None:
+        limits.append((int(max_kv_memory_gb * 1e9), f"engine.max_kv_memory_gb ({max_kv_memory_gb:g})"))
+    for limit, what in limits:
+        if need > limit:
+            fits = max(limit // per_slot, 0)
+            hint = f"use engine.batch_size <= {fits}" if fits >= 1 else "no batch of this capacity fits"
+            raise JobSpecError(
+                f"engine.batch_size {engine.B} needs {_size(need)} of KV cache ({engine.B} slots x "
+                f"{_size(per_slot)} for up to {engine.max_positions} positions), more than {what} "
+                f"({_size(max(limit, 0))}): {hint}, or lower generation.max_tokens / cache.max_kv_size")
+    return need
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
 @dataclass
 class _Slot:
     request: Request
@@ -143,12 +183,24 @@ class BatchEngine:
         self._closures: dict[tuple, object] = {}
         self.trace_count = 0
 
+    def slot_bytes(self) -> int:
+        """Bytes of one slot's KV buffers (all layers, keys and values, ``capacity`` positions each).
+        Runs a one-token forward first if the engine's caches have not run yet (their geometry is
+        needed)."""
+        if any(c.keys is None for c in self.engine.cache):
+            self.engine.forward([0])
+        return sum(k.capacity * position_bytes(c) for k, c in zip(self.kinds, self.engine.cache))
+
     def kv_bytes(self) -> int:
-        """Bytes of the batch buffers (needs the engine's caches to have run one token, e.g. after
-        ``engine.forward``)."""
-        return self.B * sum(k.capacity * position_bytes(c) for k, c in zip(self.kinds, self.engine.cache))
+        """Bytes of the batch buffers: ``B x slot_bytes()``."""
+        return self.B * self.slot_bytes()
 
     # -- the batched step ------------------------------------------------------------------------------
+
+    @property
+    def closure_count(self) -> int:
+        """Compiled batched steps built (one per layer layout and B; 0 when decoding eagerly)."""
+        return len(self._closures) if self.compiled else 0
 
     @property
     def compiled(self) -> bool:

@@ -311,12 +311,19 @@ class EngineSpec:
         compile: run decode steps through the compiled closure set: true, false (eager), or "auto"
             (compiled, except on the CUDA backend with only full caches, where eager decode measured
             faster; ``pipeline.engine.compile_by_default``).
+        batch_size: rows decoded together (continuous batching, ``pipeline.batch``); 1 decodes one row
+            at a time (the default: every row's tokens are exactly those of the model run alone).
+        max_kv_memory_gb: refuse to start a batched job whose KV buffers (batch_size x capacity
+            positions) would exceed this many gigabytes (10**9 bytes); None: the device's memory
+            (``pipeline.batch.memory_limit``) is the only limit. Not part of the job fingerprint.
     """
 
     dtype: str = "auto"
     dequantize: bool | str = "auto"
     prefill_step_size: int = 512
     compile: bool | str = "auto"
+    batch_size: int = 1
+    max_kv_memory_gb: float | None = None
 
     def check(self):
         """Raises: JobSpecError: every value out of range."""
@@ -329,6 +336,10 @@ class EngineSpec:
             bad.append(f"engine.compile must be true, false or auto, got {self.compile!r}")
         if self.prefill_step_size < 1:
             bad.append(f"engine.prefill_step_size must be >= 1, got {self.prefill_step_size}")
+        if self.batch_size < 1:
+            bad.append(f"engine.batch_size must be >= 1, got {self.batch_size}")
+        if self.max_kv_memory_gb is not None and not self.max_kv_memory_gb > 0:
+            bad.append(f"engine.max_kv_memory_gb must be > 0, got {self.max_kv_memory_gb}")
         bad.raise_any()
 
 

@@ -36,6 +36,8 @@ class Result:
             the raw model distribution.
         top_token_ids: per generated token, the ``generation.logprobs`` most likely ids, most likely first.
         top_logprobs: their log probabilities.
+        batch_size: the decode slots of the engine the row ran in (``engine.batch_size``; 1:
+            sequential); None when the row failed before generating.
     """
 
     id: int | str
@@ -58,6 +60,7 @@ class Result:
     logprobs: list[float] | None = None
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    batch_size: int | None = None
 
 
 _TYPES = {
@@ -80,6 +83,7 @@ _TYPES = {
     "logprobs": pa.list_(pa.float32()),
     "top_token_ids": pa.list_(pa.list_(pa.int32())),
     "top_logprobs": pa.list_(pa.list_(pa.float32())),
+    "batch_size": pa.int32(),
 }
 _NOT_NULL = {"id", "sample_index", "seed"}
 

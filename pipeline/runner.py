@@ -15,6 +15,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from . import __version__
+from .batch import BatchEngine, Request, check_kv_memory
 from .engine import GenerateParams
 from .inputs import InputRow, input_files, read_rows
 from .jobspec import GenerationSpec, JobSpec, JobSpecError, with_overrides
@@ -89,7 +90,9 @@ def fingerprint(job: JobSpec, model_id: dict) -> dict:
 
     The model's content hash covers its tokenizer and chat template (GGUF metadata, or the hashed
     tokenizer files of a model directory). Package versions are included because kernels and
-    tokenization may change between versions. The input files are not: rows added later are processed
+    tokenization may change between versions. ``engine.batch_size`` is included (batched decoding runs
+    other matmul shapes, so a token may differ at a near-tie); ``engine.max_kv_memory_gb`` is not. The
+    input files are not: rows added later are processed
     by the next run (see ``input_state``).
     """
     inp = job.input
@@ -111,7 +114,7 @@ def fingerprint(job: JobSpec, model_id: dict) -> dict:
         },
         "generation": dataclasses.asdict(job.generation),
         "cache": dataclasses.asdict(job.cache),
-        "engine": dataclasses.asdict(job.engine),
+        "engine": {k: v for k, v in dataclasses.asdict(job.engine).items() if k != "max_kv_memory_gb"},
     }
 
 
@@ -192,9 +195,34 @@ def _failed(row: InputRow, sample_index: int, seed: int, text: str | None, error
                   compiled=None, seed=seed, error=error)
 
 
-def generate_row(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int = 0,
-                 gen: GenerationSpec | str | None = None, prompt: Prompt | RowError | None = None) -> Result:
-    """Generate one sample of one row; failures become a ``Result`` with ``error`` set.
+@dataclass
+class Sample:
+    """One sample of one row, ready for the engine (or already failed).
+
+    Attributes:
+        row, index: the input row and the sample index.
+        seed: the sample's sampling seed (``sampler.row_seed``).
+        text: the prompt text reported in the ``prompt`` column.
+        ids: prompt token ids, cut to the context per ``input.truncate`` (None if failed).
+        params: the engine's settings (None if failed).
+        failed: the failed ``Result`` when the row cannot be generated (bad overrides, bad prompt).
+        prep_s: seconds spent building the prompt (added to the row's ``total_s``).
+    """
+
+    row: InputRow
+    index: int
+    seed: int
+    text: str | None
+    ids: list[int] | None = None
+    params: GenerateParams | None = None
+    failed: Result | None = None
+    prep_s: float = 0.0
+
+
+def prepare_sample(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int = 0,
+                   gen: GenerationSpec | str | None = None, prompt: Prompt | RowError | None = None) -> Sample:
+    """Settings, seed and prompt ids of one sample; a ``Sample`` with ``failed`` set when the row's
+    overrides or prompt are invalid.
 
     Args:
         gen: the row's settings from ``row_generation`` (computed when None).
@@ -204,25 +232,51 @@ def generate_row(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int
     t0 = time.perf_counter()
     gen = row_generation(job, row) if gen is None else gen
     seed = row_seed(job.generation.seed if isinstance(gen, str) else gen.seed, row.id, sample_index)
-    text = row.prompt if row.messages is None else None
+    s = Sample(row, sample_index, seed, row.prompt if row.messages is None else None)
     if isinstance(gen, str):
-        return _failed(row, sample_index, seed, text, gen, t0)
+        s.failed = _failed(row, sample_index, seed, s.text, gen, t0)
+        return s
     try:
         prompt = _build_or_error(row, job, lm) if prompt is None else prompt
         if isinstance(prompt, RowError):
             raise prompt
-        text = prompt.text
-        g = lm.engine.generate(fit_context(prompt.token_ids, lm, job.input.truncate), generate_params(gen, seed))
-    except (RowError, ValueError) as e:
-        return _failed(row, sample_index, seed, text, str(e), t0)
+        s.text = prompt.text
+        s.ids = fit_context(prompt.token_ids, lm, job.input.truncate)
+        s.params = generate_params(gen, seed)
+    except RowError as e:
+        s.failed = _failed(row, sample_index, seed, s.text, str(e), t0)
+    s.prep_s = time.perf_counter() - t0
+    return s
+
+
+def sample_result(s: Sample, g, total_s: float, batch_size: int = 1) -> Result:
+    """The output row of a finished sample: ``g`` a ``Generation``, or the ``ValueError`` the engine
+    raised for it (the row then fails with that message)."""
+    if isinstance(g, ValueError):
+        return _failed(s.row, s.index, s.seed, s.text, str(g), time.perf_counter() - total_s)
     return Result(
-        id=row.id, sample_index=sample_index, prompt=text, completion=g.text, finish_reason=g.finish_reason,
+        id=s.row.id, sample_index=s.index, prompt=s.text, completion=g.text, finish_reason=g.finish_reason,
         stop_reason=None if g.stop_reason is None else str(g.stop_reason), stop_token_id=g.stop_token_id,
         prompt_tokens=g.prompt_tokens, completion_tokens=len(g.token_ids), ttft_s=g.ttft_s, prefill_tps=g.prefill_tps,
-        decode_tps=g.decode_tps, total_s=time.perf_counter() - t0, peak_memory_bytes=g.peak_memory_bytes,
-        compiled=g.compiled, seed=seed, error=None, logprobs=g.logprobs, top_token_ids=g.top_token_ids,
-        top_logprobs=g.top_logprobs,
+        decode_tps=g.decode_tps, total_s=total_s, peak_memory_bytes=g.peak_memory_bytes,
+        compiled=g.compiled, seed=s.seed, error=None, logprobs=g.logprobs, top_token_ids=g.top_token_ids,
+        top_logprobs=g.top_logprobs, batch_size=batch_size,
     )
+
+
+def generate_row(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int = 0,
+                 gen: GenerationSpec | str | None = None, prompt: Prompt | RowError | None = None) -> Result:
+    """Generate one sample of one row alone (sequential mode); failures become a ``Result`` with
+    ``error`` set. Arguments as ``prepare_sample``."""
+    t0 = time.perf_counter()
+    s = prepare_sample(lm, job, row, sample_index, gen, prompt)
+    if s.failed is not None:
+        return s.failed
+    try:
+        g = lm.engine.generate(s.ids, s.params)
+    except ValueError as e:
+        g = e
+    return sample_result(s, g, time.perf_counter() - t0)
 
 
 def plan_samples(job: JobSpec, rows: list[InputRow]) -> list[tuple[InputRow, int, GenerationSpec | str]]:
@@ -245,18 +299,20 @@ def _build_or_error(row: InputRow, job: JobSpec, lm: LoadedModel) -> Prompt | Ro
 
 
 class _Signals:
-    """SIGINT / SIGTERM while generating: the first asks the loop to stop after the row in flight (its
-    rows are then committed); a second raises ``Aborted`` at once. Restores the previous handlers."""
+    """SIGINT / SIGTERM while generating: the first asks the loop to stop after the row(s) in flight
+    (finished rows are then committed); a second raises ``Aborted`` at once. Restores the previous
+    handlers."""
 
-    def __init__(self, say):
+    def __init__(self, say, what: str = "row"):
         self.first: str | None = None
         self.say = say
+        self.what = "the rows in flight" if what == "rows" else "the row in flight"
 
     def _handle(self, signum, frame):
         name = "SIGINT" if signum == signal.SIGINT else "SIGTERM"
         if self.first is None:
             self.first = name
-            self.say(f"{name}: finishing the row in flight, then committing; press Ctrl-C again to stop at once")
+            self.say(f"{name}: finishing {self.what}, then committing; press Ctrl-C again to stop at once")
         else:
             raise Aborted(name)
 
@@ -334,27 +390,35 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
     t0 = time.perf_counter()
     bar = tqdm(total=len(planned), initial=summary.rows_skipped, unit="row", desc="generating",
                disable=not progress, dynamic_ncols=True)
+
+    def record(res: Result) -> None:
+        buffer.append(res)
+        if on_result is not None:
+            on_result(res)
+        summary.rows_failed += res.error is not None
+        summary.completion_tokens += res.completion_tokens or 0
+        elapsed = time.perf_counter() - t0
+        resumed = f"{summary.rows_skipped} resumed, " if summary.rows_skipped else ""
+        bar.set_postfix_str(f"{resumed}{summary.completion_tokens / elapsed:.1f} tok/s", refresh=False)
+        bar.update(1)
+        if len(buffer) >= job.output.shard_size or time.monotonic() - last_flush >= job.output.flush_seconds:
+            flush()
+
+    batched = job.engine.batch_size > 1
+    batch_closures = 0
     try:
-        with _Signals(lambda m: tqdm.write(m, file=sys.stderr)) as signals:
+        with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "rows" if batched else "row") as signals:
             try:
-                prompt_of = (None, None)  # (row index, its Prompt or RowError): samples of a row share it
-                for row, k, gen in pending:
-                    if signals.first:
-                        break
-                    if prompt_of[0] != row.index:
-                        prompt_of = (row.index, _build_or_error(row, job, lm))
-                    res = generate_row(lm, job, row, k, gen, prompt_of[1])
-                    buffer.append(res)
-                    if on_result is not None:
-                        on_result(res)
-                    summary.rows_failed += res.error is not None
-                    summary.completion_tokens += res.completion_tokens or 0
-                    elapsed = time.perf_counter() - t0
-                    resumed = f"{summary.rows_skipped} resumed, " if summary.rows_skipped else ""
-                    bar.set_postfix_str(f"{resumed}{summary.completion_tokens / elapsed:.1f} tok/s", refresh=False)
-                    bar.update(1)
-                    if len(buffer) >= job.output.shard_size or time.monotonic() - last_flush >= job.output.flush_seconds:
-                        flush()
+                if batched:
+                    batch_closures = _run_batched(lm, job, planned, pending, record, lambda: signals.first is not None)
+                else:
+                    prompt_of = (None, None)  # (row index, its Prompt or RowError): samples of a row share it
+                    for row, k, gen in pending:
+                        if signals.first:
+                            break
+                        if prompt_of[0] != row.index:
+                            prompt_of = (row.index, _build_or_error(row, job, lm))
+                        record(generate_row(lm, job, row, k, gen, prompt_of[1]))
                 flush()
                 summary.interrupted = signals.first
             except Aborted as e:
@@ -362,8 +426,55 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
     finally:
         bar.close()
     summary.elapsed_s = time.perf_counter() - t0
-    summary.closures = lm.engine.closure_count
+    summary.closures = lm.engine.closure_count + batch_closures
     return _finish(summary, store, run_record)
+
+
+def _run_batched(lm: LoadedModel, job: JobSpec, planned, pending, record: Callable[[Result], None],
+                 stopping: Callable[[], bool]) -> int:
+    """Generate ``pending`` samples with continuous batching (``engine.batch_size`` slots), calling
+    ``record`` with each result as it finishes (rows come out of input order). Returns the compiled
+    closures the batch engine built.
+
+    Every prompt of the job (``planned``, committed rows included) is built first: the longest prompt +
+    max_tokens sets the slots' capacity, so every run of a job, resumed or not, decodes with the same
+    step shape (B slots x capacity), and a row's tokens do not depend on which rows are still pending.
+    The KV memory is checked (``batch.check_kv_memory``) before any generation. Once ``stopping()`` is
+    true no new row starts; the rows in flight finish.
+
+    Raises:
+        JobSpecError: the KV buffers would exceed ``engine.max_kv_memory_gb`` or the device's memory.
+    """
+    todo = {(row.id, k) for row, k, _ in pending}
+    samples, failed, prompt_of, positions = [], [], (None, None), 0
+    for row, k, gen in planned:
+        if prompt_of[0] != row.index:
+            prompt_of = (row.index, _build_or_error(row, job, lm))
+        s = prepare_sample(lm, job, row, k, gen, prompt_of[1])
+        if s.failed is None:
+            positions = max(positions, min(len(s.ids) + s.params.max_tokens, lm.engine.context_length))
+        if (row.id, k) in todo:
+            (samples if s.failed is None else failed).append(s)
+    engine = None
+    if samples:
+        engine = BatchEngine(lm.engine, job.engine.batch_size, positions)
+        check_kv_memory(engine, job.engine.max_kv_memory_gb)
+    for s in failed:
+        record(s.failed)
+    if engine is None:
+        return 0
+
+    def requests():
+        for i, s in enumerate(samples):
+            if stopping():
+                return
+            yield Request(i, s.ids, s.params)
+
+    for i, g in engine.run(requests()):
+        s = samples[i]
+        record(sample_result(s, g, s.prep_s + (g.total_s if not isinstance(g, ValueError) else 0.0),
+                             engine.B))
+    return engine.closure_count
 
 
 def _now() -> str:

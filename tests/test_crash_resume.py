@@ -52,15 +52,16 @@ def prompts(tmp_path_factory):
     return path
 
 
-def write_job(tmp: Path, model: Path, prompts: Path, n: int) -> Path:
+def write_job(tmp: Path, model: Path, prompts: Path, n: int, batch_size: int = 1) -> Path:
     job = {
         "model": str(model),
         "input": {"path": str(prompts), "id_column": "id", "prompt_column": "prompt",
                   "limit": ROWS // n},  # ROWS output rows either way
         "generation": {"max_tokens": 16, "temperature": 0.8, "seed": 1234, "n": n},
         "output": {"dir": str(tmp / "unused"), "shard_size": SHARD},
+        "engine": {"batch_size": batch_size},
     }
-    path = tmp / f"job-n{n}.yaml"
+    path = tmp / f"job-n{n}-b{batch_size}.yaml"
     path.write_text(yaml.safe_dump(job), encoding="utf-8")
     return path
 
@@ -119,19 +120,21 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model, prompts):
-    """``reference(n)``: the job file with ``n`` samples per row, and its uninterrupted run (once per n)."""
+    """``reference(n, batch_size)``: the job file with ``n`` samples per row decoded ``batch_size`` rows at
+    a time, and its uninterrupted run (once per pair)."""
     done = {}
 
-    def get(n: int) -> tuple[Path, Reference]:
-        if n not in done:
-            done[n] = _reference_run(tmp_path_factory.mktemp(f"reference-n{n}"), tiny_model, prompts, n)
-        return done[n]
+    def get(n: int, batch_size: int = 1) -> tuple[Path, Reference]:
+        if (n, batch_size) not in done:
+            done[n, batch_size] = _reference_run(tmp_path_factory.mktemp(f"reference-n{n}-b{batch_size}"),
+                                                 tiny_model, prompts, n, batch_size)
+        return done[n, batch_size]
 
     return get
 
 
-def _reference_run(tmp: Path, model: Path, prompts: Path, n: int) -> tuple[Path, Reference]:
-    job = write_job(tmp, model, prompts, n)
+def _reference_run(tmp: Path, model: Path, prompts: Path, n: int, batch_size: int) -> tuple[Path, Reference]:
+    job = write_job(tmp, model, prompts, n, batch_size)
     t0 = time.monotonic()
     stdout, _ = finish(start(job, tmp / "out"))
     wall = time.monotonic() - t0
@@ -186,8 +189,8 @@ def wait_until(cond, proc: subprocess.Popen, timeout: float = 120.0) -> None:
         time.sleep(0.005)
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_sigkill_at_random_moments_then_resume_equals_uninterrupted_run(reference, tmp_path, n):
+@pytest.mark.parametrize("n, batch_size", [(1, 1), (2, 1), (1, 4)], ids=["n1", "n2", "n1-batched"])
+def test_sigkill_at_random_moments_then_resume_equals_uninterrupted_run(reference, tmp_path, n, batch_size):
     """SIGKILL N_KILLS times at moments drawn from a seeded RNG, resuming with the same command each time.
 
     Even-numbered kills land at a random moment of the run (startup included), a fraction of the
@@ -196,9 +199,11 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted_run(referenc
     finished rows not yet committed. A run is killed early anyway once fewer than (kills to come + 1)
     shards of work are left, so no run completes the job. Before the final run, the leftovers of a kill
     inside a commit are added (``plant_crash_leftovers``). With n=2 the samples of a row, keyed
-    (id, 0) and (id, 1), may land in different shards and runs.
+    (id, 0) and (id, 1), may land in different shards and runs. With ``engine.batch_size: 4`` rows finish
+    out of input order and each resumed run batches a different set of rows together, so this also
+    checks that a row's tokens do not depend on its neighbours.
     """
-    job, ref = reference(n)
+    job, ref = reference(n, batch_size)
     total = len(ref.rows)
     rng = random.Random(20240611)
     out = tmp_path / "out"
@@ -237,9 +242,10 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted_run(referenc
     assert_final(out, ref)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_signal_mid_run_commits_and_exits_then_resume_completes(reference, tmp_path, sig, code):
-    job, ref = reference(1)
+@pytest.mark.parametrize("sig, code, batch_size", [(signal.SIGINT, 130, 1), (signal.SIGTERM, 143, 1),
+                                                   (signal.SIGINT, 130, 4)], ids=["SIGINT", "SIGTERM", "SIGINT-batched"])
+def test_signal_mid_run_commits_and_exits_then_resume_completes(reference, tmp_path, sig, code, batch_size):
+    job, ref = reference(1, batch_size)
     rng = random.Random(int(sig))
     out = tmp_path / "out"
     proc = start(job, out)
