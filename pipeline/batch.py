@@ -360,44 +360,59 @@ class BatchEngine:
         for b in range(self.B):
             slots[b] = fill(b, out)
         yield from out
-        pos = mx.array([len(s.request.prompt_ids) if s else 0 for s in slots], dtype=mx.int32)
-        tokens = mx.array([s.tokens[-1] if s else 0 for s in slots], dtype=mx.uint32)
-        active = mx.array([s is not None for s in slots], dtype=mx.int32)  # idle slots stay at position 0
         step = self._step_fn()
-        while any(s is not None for s in slots):
+
+        def launch(tokens: mx.array, pos: mx.array, active: mx.array):
+            """Queue one decode step for every slot; returns its lazy ``(tokens, positions, extras)``."""
             logits, greedy, pos, *bufs = step(tokens, pos, active, *self.buffers)
             self.buffers = bufs
             per_slot, extras = {}, {}
             for b, s in enumerate(slots):
                 if s is not None and not _is_plain_greedy(s.kind):
-                    tok, s.state, extras[b] = sample_step(s.kind, logits[b : b + 1], s.consts, s.state)
-                    per_slot[b] = tok
+                    per_slot[b], s.state, extras[b] = sample_step(s.kind, logits[b : b + 1], s.consts, s.state)
+            nxt = greedy
             if per_slot:
                 picked = mx.concatenate([per_slot[b] if b in per_slot else mx.zeros((1,), mx.uint32)
                                          for b in range(self.B)])
-                use = mx.array([b in per_slot for b in range(self.B)])
-                nxt = mx.where(use, picked, greedy)
-            else:
-                nxt = greedy
+                nxt = mx.where(mx.array([b in per_slot for b in range(self.B)]), picked, greedy)
             states = [x for b in per_slot for x in slots[b].state]
-            mx.eval(nxt, pos, *self.buffers, *states, *(x for e in extras.values() for x in e))
-            toks = nxt.tolist()
-            out = []
-            changed = {}  # slot -> (token, position) replacing the step's outputs
+            mx.async_eval(nxt, pos, *self.buffers, *states, *(x for e in extras.values() for x in e))
+            return nxt, pos, extras
+
+        def host_vectors():
+            """Tokens, positions and activity of every slot from the host's view (idle slots: 0)."""
+            return (mx.array([s.tokens[-1] if s else 0 for s in slots], dtype=mx.uint32),
+                    mx.array([len(s.request.prompt_ids) + len(s.tokens) - 1 if s else 0 for s in slots], dtype=mx.int32),
+                    mx.array([s is not None for s in slots], dtype=mx.int32))
+
+        tokens, pos, active = host_vectors()
+        current = launch(tokens, pos, active) if any(slots) else None
+        skip: set[int] = set()  # slots whose entry in ``current`` is their first token, already recorded
+        while current is not None:
+            # Queue step t + 1 before reading step t's tokens, so the host works while the device computes;
+            # skipped when every slot ends at step t anyway.
+            ahead = None
+            if any(s is not None and (b in skip or len(s.tokens) + 1 < s.max_tokens) for b, s in enumerate(slots)):
+                ahead = launch(current[0], current[1], active)
+            toks = current[0].tolist()
+            out, fresh = [], set()
             for b, s in enumerate(slots):
-                if s is None:
+                if s is None or b in skip:
                     continue
                 s.steps += 1
-                done = self._push(s, toks[b], extras.get(b, ()))
+                done = self._push(s, toks[b], current[2].get(b, ()))
                 if done:
                     out.append((s.request.tag, self._finish(s, done)))
-                    slots[b] = fill(b, out)
-                    new = slots[b]
-                    changed[b] = (new.tokens[-1], len(new.request.prompt_ids)) if new else (0, 0)  # idle: stays at 0
-            if changed:
-                p = pos.tolist()
-                pos = mx.array([changed[b][1] if b in changed else x for b, x in enumerate(p)], dtype=mx.int32)
-                nxt = mx.array([changed[b][0] if b in changed else t for b, t in enumerate(toks)], dtype=mx.uint32)
-                active = mx.array([s is not None for s in slots], dtype=mx.int32)
-            tokens = nxt
+                    slots[b] = fill(b, out)  # a new request's prefill overwrites the slot, step t + 1's write included
+                    fresh.add(b)
+            skip = set()
+            if fresh:
+                host_tokens, host_pos, active = host_vectors()
+                if ahead is None:  # every slot ended at step t: start again from the host's view
+                    ahead = launch(host_tokens, host_pos, active) if any(slots) else None
+                else:  # the slots that changed hands take their first token and position from the host
+                    m = mx.array([b in fresh for b in range(self.B)])
+                    ahead = (mx.where(m, host_tokens, ahead[0]), mx.where(m, host_pos, ahead[1]), ahead[2])
+                    skip = {b for b in fresh if slots[b] is not None}
+            current = ahead
             yield from out

@@ -128,7 +128,9 @@ def read_committed(out_dir: str | Path, manifest: dict, columns: list[str] | Non
 
 def check_output_dir(out_dir: str | Path, fingerprint: dict, *, force: bool = False) -> dict | None:
     """Check, without changing anything, that ``out_dir`` can hold this job's results: it is missing,
-    empty, or holds a manifest with the same fingerprint (any fingerprint when ``force``).
+    empty, or holds a manifest with the same fingerprint (any fingerprint when ``force``, or when the
+    manifest lists no committed shard: a run stopped before its first commit, e.g. refused for memory,
+    left nothing a changed job could contradict).
 
     Returns:
         The existing manifest, or None.
@@ -150,7 +152,7 @@ def check_output_dir(out_dir: str | Path, fingerprint: dict, *, force: bool = Fa
             )
         return None
     changed = diff_fields(manifest.get("fingerprint", {}), fingerprint)
-    if changed and not force:
+    if changed and not force and manifest.get("shards"):
         raise OutputError(
             f"{out_dir} holds results of a different job (changed: {', '.join(changed)}); "
             "use another output dir, or --force to continue anyway"
@@ -181,7 +183,9 @@ class ShardStore:
         if manifest is None:
             manifest = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "shards": [], "rows": 0}
         changed = diff_fields(manifest["fingerprint"], fingerprint)
-        if changed:
+        if changed and not manifest["shards"]:
+            manifest["fingerprint"] = fingerprint
+        elif changed:
             manifest.setdefault("forced", []).append({"changed": changed, "previous": manifest["fingerprint"]})
             manifest["fingerprint"] = fingerprint
         manifest.setdefault("next_shard", len(manifest["shards"]))
