@@ -54,10 +54,16 @@ class BatchView:
     key and value at its position (``position % window`` for rotating layers) and returns the whole
     buffers; ``make_mask`` marks, per slot, the written slots (for a ring that has wrapped: all of them,
     which are exactly the window).
+
+    A quantized layer with ``start`` > 0 (``quantized_kv_start``) holds 4-tuples ``(dense, packed,
+    scales, biases)``: every position is written both ways, and a slot attends over the dense keys while
+    its position is below ``start``, over the quantized ones after, as the sequential cache does (it
+    switches once ``start`` positions are stored; quantizing is per position, so quantizing at write
+    time gives the same values as quantizing at the switch).
     """
 
-    def __init__(self, kind: LayerKind, keys, values, pos: mx.array):
-        self.kind, self.keys, self.values, self.offset = kind, keys, values, pos
+    def __init__(self, kind: LayerKind, keys, values, pos: mx.array, start: int = 0):
+        self.kind, self.keys, self.values, self.offset, self.start = kind, keys, values, pos, start
 
     def make_mask(self, n: int) -> mx.array:
         """``(B, 1, 1, capacity)`` bool: True where the slot holds a position at or before the query."""
@@ -80,9 +86,15 @@ class BatchView:
             parts = mx.quantize(x, group_size=kind.group_size, bits=kind.bits)
             return tuple(put(b, p) for b, p in zip(buffers, parts))
 
-        self.keys, self.values = store(self.keys, k), store(self.values, v)
         fetch = lambda b: mx.dequantize(*b, group_size=kind.group_size, bits=kind.bits).astype(k.dtype)  # noqa: E731
-        return fetch(self.keys), fetch(self.values)
+        if not self.start:
+            self.keys, self.values = store(self.keys, k), store(self.values, v)
+            return fetch(self.keys), fetch(self.values)
+        dense = (self.offset < self.start).reshape(-1, 1, 1, 1)
+        both = lambda buf, x: (put(buf[0], x), *store(buf[1:], x))  # noqa: E731
+        pick = lambda buf: mx.where(dense, buf[0], fetch(buf[1:]))  # noqa: E731
+        self.keys, self.values = both(self.keys, k), both(self.values, v)
+        return pick(self.keys), pick(self.values)
 
 
 def _is_plain_greedy(kind: SamplerKind) -> bool:
@@ -98,10 +110,11 @@ def position_bytes(cache) -> int:
     """Bytes one position of one slot takes in a layer's batch buffers (keys + values), from the
     geometry of a batch-1 cache that has run at least one token."""
     _, H, k_dim, v_dim, dtype = cache._buffer_geometry()
+    dense = H * (k_dim + v_dim) * dtype.size
     if cache.bits is None:
-        return H * (k_dim + v_dim) * dtype.size
+        return dense
     per = lambda d: H * (d * cache.bits // 32 * 4 + 2 * (d // cache.group_size) * dtype.size)  # noqa: E731
-    return per(k_dim) + per(v_dim)
+    return per(k_dim) + per(v_dim) + (dense if cache.start else 0)  # start > 0: dense copies too
 
 
 def memory_limit() -> tuple[int, str]:
@@ -179,6 +192,7 @@ class BatchEngine:
         self.B = batch_size
         self.max_positions = max_positions
         self.kinds = tuple(layer_kind(c, layer_capacity(c, max_positions)) for c in engine.cache)
+        self.starts = tuple(getattr(c, "start", 0) if c.bits is not None else 0 for c in engine.cache)
         self.buffers: list | None = None
         self._closures: dict[tuple, object] = {}
         self.trace_count = 0
@@ -207,13 +221,14 @@ class BatchEngine:
         return bool(self.engine.compile)
 
     def _step_fn(self):
-        key = (self.kinds, self.B, self.compiled)
+        key = (self.kinds, self.starts, self.B, self.compiled)
         if key not in self._closures:
-            model, kinds = self.engine.model, self.kinds
+            model, kinds, starts = self.engine.model, self.kinds, self.starts
 
             def step(tokens, pos, active, *buffers):
                 self.trace_count += self.compiled
-                views = [BatchView(k, buffers[2 * i], buffers[2 * i + 1], pos) for i, k in enumerate(kinds)]
+                views = [BatchView(k, buffers[2 * i], buffers[2 * i + 1], pos, start)
+                         for i, (k, start) in enumerate(zip(kinds, starts))]
                 logits = model(tokens.reshape(-1, 1), views)[:, -1, :].astype(mx.float32)
                 out = [logits, mx.argmax(logits, axis=-1).astype(mx.uint32), pos + active]
                 for v in views:
@@ -226,33 +241,41 @@ class BatchEngine:
     def _allocate(self) -> None:
         """Zero batch buffers shaped after the (already used) batch-1 caches."""
         bufs = []
-        for kind, c in zip(self.kinds, self.engine.cache):
+        for kind, start, c in zip(self.kinds, self.starts, self.engine.cache):
             _, H, k_dim, v_dim, dtype = c._buffer_geometry()
             for dim in (k_dim, v_dim):
                 shape = (self.B, H, kind.capacity)
                 if kind.quantized:
                     n_groups = dim // kind.group_size
-                    bufs.append((mx.zeros((*shape, dim * kind.bits // 32), mx.uint32),
-                                 mx.zeros((*shape, n_groups), dtype), mx.zeros((*shape, n_groups), dtype)))
+                    quant = (mx.zeros((*shape, dim * kind.bits // 32), mx.uint32),
+                             mx.zeros((*shape, n_groups), dtype), mx.zeros((*shape, n_groups), dtype))
+                    bufs.append(((mx.zeros((*shape, dim), dtype),) if start else ()) + quant)
                 else:
                     bufs.append(mx.zeros((*shape, dim), dtype))
         self.buffers = bufs
 
     def _load_slot(self, b: int) -> None:
         """Copy the batch-1 caches (just prefilled) into slot ``b``; the rest of the slot becomes zeros."""
-        for i, (kind, c) in enumerate(zip(self.kinds, self.engine.cache)):
+        for i, (kind, start, c) in enumerate(zip(self.kinds, self.starts, self.engine.cache)):
             n = _stored_slots(c)
             for j, src in enumerate((c.keys, c.values)):
-                if kind.quantized and not isinstance(src, tuple):  # quantized_kv_start not reached in prefill
-                    src = mx.quantize(src[..., :n, :], group_size=kind.group_size, bits=kind.bits)
-                parts = src if isinstance(src, tuple) else (src,)
                 dst = self.buffers[2 * i + j]
+                if not kind.quantized:
+                    parts = [src]
+                elif c.quantized:  # the prompt reached quantized_kv_start: the dense copies are never read
+                    parts = [*src]
+                    if start:
+                        parts.insert(0, mx.zeros((1, dst[0].shape[1], n, dst[0].shape[3]), dst[0].dtype))
+                else:  # still dense after prefill: its quantized copy is what the switch would store
+                    parts = [*mx.quantize(src[..., :n, :], group_size=kind.group_size, bits=kind.bits)]
+                    if start:
+                        parts.insert(0, src)
                 dsts = dst if isinstance(dst, tuple) else (dst,)
                 new = []
-                for d, s in zip(dsts, parts):
-                    s = s[..., :n, :]
-                    pad = mx.zeros((1, s.shape[1], kind.capacity - n, s.shape[3]), s.dtype)
-                    d[b : b + 1] = mx.concatenate([s, pad], axis=2) if kind.capacity > n else s
+                for d, part in zip(dsts, parts):
+                    part = part[..., :n, :]
+                    pad = mx.zeros((1, part.shape[1], kind.capacity - n, part.shape[3]), part.dtype)
+                    d[b : b + 1] = mx.concatenate([part, pad], axis=2) if kind.capacity > n else part
                     new.append(d)
                 self.buffers[2 * i + j] = tuple(new) if isinstance(dst, tuple) else new[0]
 

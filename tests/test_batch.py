@@ -166,10 +166,6 @@ def test_greedy_batched_equals_sequential_for_each_cache_kind(request, case):
 
 
 @pytest.mark.parametrize("bits, group", [(8, 64), (4, 32)])
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "BatchEngine._load_slot: when a prompt is shorter than quantized_kv_start the batch-1 cache is still "
-    "dense and is quantized with mx.quantize, which returns a list; isinstance(src, tuple) is False, so "
-    "the list is sliced like an array (TypeError) and the whole run dies"))
 def test_quantized_kv_start_beyond_prompt_runs(llama, bits, group):
     spec = CacheSpec(kv_bits=bits, kv_group_size=group, quantized_kv_start=32)
     be = BatchEngine(engine_for(llama, spec), 2, MAX_POSITIONS)
@@ -177,11 +173,6 @@ def test_quantized_kv_start_beyond_prompt_runs(llama, bits, group):
     assert all(isinstance(g, Generation) and len(g.token_ids) == 6 for g in got.values())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "quantized_kv_start beyond the prompt: sequential decoding attends over dense keys/values until "
-    "the position reaches start (then over their quantized round trip); BatchEngine quantizes the "
-    "slot at admission and always attends over round-tripped keys, so logprobs differ by ~1e-2 "
-    "(8-bit) and 4-bit greedy paths diverge (and today _load_slot crashes first, see above)"))
 def test_quantized_kv_start_beyond_prompt_matches_sequential(llama):
     spec = CacheSpec(kv_bits=8, kv_group_size=64, quantized_kv_start=40)
     engine = engine_for(llama, spec)
