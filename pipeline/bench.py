@@ -7,6 +7,10 @@ timed generations of ``max_tokens`` new tokens, greedy, ``ignore_eos``, from the
 the table shows the medians. The achieved read bandwidth is ``(weight bytes read per token + mean KV
 bytes read per decode step) x median decode tok/s``.
 
+With ``batch_sizes`` (``pipeline bench --batch-size``): job throughput instead, i.e. generated tokens /
+wall seconds of many prompts through ``pipeline.batch.BatchEngine`` at each batch size, with mlx-lm's
+``batch_generate`` as the peer (``run_batch_bench``).
+
 Models: any model spec (``load_model``'s rules: dtype "auto", the "auto" dequantize rule), or random
 weights of a named real shape (``RANDOM_SHAPES``), 4-bit affine quantized (group 64) in memory, one
 tensor chunk at a time, so a GPU run needs no download.
@@ -380,17 +384,48 @@ def _peer_available() -> bool:
         return False
 
 
+def _load_ours(model, random, dtype, dequantize, seed):
+    """(config, weights, source, our model, dequantized?, load seconds): our model as ``load_model``
+    builds it (the "auto" dequantize rule unless ``dequantize`` is a bool, fused projections)."""
+    t = time.perf_counter()
+    config, weights, source = load_weights(model, random, dtype, seed)
+    ours = build_model(config, weights, dtype)
+    if dequantize == "auto":
+        dequantize = should_dequantize(ours, dtype)
+    if dequantize:
+        dequantize_model(ours, dtype)
+    fuse_projections(ours)  # as load_model does
+    return config, weights, source, ours, dequantize, time.perf_counter() - t
+
+
+def _check_context(args, prompt_tokens, max_tokens: int) -> int:
+    context = int(args.max_position_embeddings)
+    for n in prompt_tokens:
+        if n + max_tokens > context:
+            raise BenchError(f"prompt {n} + {max_tokens} new tokens exceed the model's context ({context})")
+    return context
+
+
 def run_bench(model: str | None = None, *, random: str | None = None, prompt_tokens=(64, 512, 2048),
               max_tokens: int = 256, trials: int = 3, caches=("full",), dequantize: bool | str = "auto",
               peer: bool = True, variants=("eager", "compiled"), json_path: str | Path | None = None,
               prefill_step_size: int = 512, seed: int = 0, echo: Callable[[str], None] = print,
-              progress: Callable[[str], None] | None = None) -> dict:
+              progress: Callable[[str], None] | None = None, batch_sizes=None, prompts: int = 256,
+              prompts_b1: int | None = None) -> dict:
     """Run the benchmark; prints the table with ``echo`` and returns (and with ``json_path`` writes) the
     result document (see ``docs/BENCHMARKS.md``).
+
+    With ``batch_sizes`` it measures job throughput instead (``run_batch_bench``; ``prompts`` and
+    ``prompts_b1`` apply there only).
 
     Raises:
         BenchError: bad settings. Model-loading errors propagate as ``load_model``'s do.
     """
+    if batch_sizes:
+        return run_batch_bench(model, random=random, batch_sizes=batch_sizes, prompts=prompts, prompts_b1=prompts_b1,
+                               prompt_tokens=prompt_tokens[0], max_tokens=max_tokens, trials=trials, caches=caches,
+                               dequantize=dequantize, peer=peer, variants=variants, json_path=json_path,
+                               prefill_step_size=prefill_step_size, seed=seed, echo=echo, progress=progress)
     progress = progress or (lambda _s: None)
     if trials < 1 or max_tokens < 1 or not prompt_tokens or min(prompt_tokens) < 1:
         raise BenchError("trials, max_tokens and every prompt length must be >= 1")
@@ -402,21 +437,10 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
     dtype = compute_dtype("auto")
     notes: list[str] = []
 
-    t = time.perf_counter()
     dequantize_setting = dequantize
-    config, weights, source = load_weights(model, random, dtype, seed)
-    ours = build_model(config, weights, dtype)
-    if dequantize == "auto":
-        dequantize = should_dequantize(ours, dtype)
-    if dequantize:
-        dequantize_model(ours, dtype)
-    fuse_projections(ours)  # as load_model does
-    load_s = time.perf_counter() - t
+    config, weights, source, ours, dequantize, load_s = _load_ours(model, random, dtype, dequantize, seed)
     args = ours.args
-    context = int(args.max_position_embeddings)
-    for n in prompt_tokens:
-        if n + max_tokens > context:
-            raise BenchError(f"prompt {n} + {max_tokens} new tokens exceed the model's context ({context})")
+    context = _check_context(args, prompt_tokens, max_tokens)
     progress(f"loaded {model or 'random ' + random} in {load_s:.1f}s (dtype {dtype}, dequantized {bool(dequantize)})")
 
     rng = np.random.default_rng(seed)
@@ -556,6 +580,284 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
     return doc
 
 
+# --- batch mode: job throughput ----------------------------------------------------------------------
+
+WARMUP_TOKENS = 8  # new tokens per prompt in a batch row's warm-up run
+
+
+class _NoStopTokenizer:
+    """The tokenizer ``batch_generate`` is given: no EOS ids, so only ``max_tokens`` ends a sequence
+    (random weights can emit the real EOS); texts are not decoded."""
+
+    eos_token_ids: tuple = ()
+
+    def decode(self, _ids) -> str:
+        return ""
+
+
+def distinct_prompts(rng: np.random.Generator, count: int, length: int, vocab: int) -> list[list[int]]:
+    """``count`` distinct random prompts of ``length`` token ids below ``vocab``.
+
+    Raises:
+        BenchError: fewer than ``count`` distinct prompts exist.
+    """
+    if vocab**length < count:
+        raise BenchError(f"only {vocab}**{length} distinct prompts of {length} tokens exist; asked for {count}")
+    seen: set[tuple] = set()
+    out: list[list[int]] = []
+    while len(out) < count:
+        p = tuple(rng.integers(0, vocab, length).tolist())
+        if p not in seen:
+            seen.add(p)
+            out.append(list(p))
+    return out
+
+
+def _job_record(wall_s: float, counts: list[int], **extra) -> dict:
+    n = sum(counts)
+    return {"wall_s": wall_s, "prompts": len(counts), "generated_tokens": n, "job_tps": n / wall_s,
+            "min_tokens_per_prompt": min(counts), "max_tokens_per_prompt": max(counts),
+            "peak_memory_bytes": int(mx.get_peak_memory()), **extra}
+
+
+def _ours_sequential(engine: Engine, prompts: list[list[int]], params: GenerateParams) -> dict:
+    """The ``Engine.generate`` loop, one prompt after the other (what a job runs at batch size 1)."""
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    gens = [engine.generate(p, params) for p in prompts]
+    wall = time.perf_counter() - t0
+    return _job_record(wall, [len(g.token_ids) for g in gens], compiled=all(g.compiled for g in gens))
+
+
+def _ours_batch(be, prompts: list[list[int]], params: GenerateParams) -> dict:
+    """Every prompt through ``BatchEngine.run``; the wall time includes each request's prefill."""
+    from .batch import Request
+
+    counts: dict[int, int] = {}
+    t0 = time.perf_counter()
+    for tag, got in be.run(Request(i, p, params) for i, p in enumerate(prompts)):
+        if isinstance(got, Exception):
+            raise BenchError(f"BatchEngine rejected prompt {tag}: {got}")
+        counts[tag] = len(got.token_ids)
+    wall = time.perf_counter() - t0
+    if len(counts) != len(prompts):
+        raise BenchError(f"BatchEngine returned {len(counts)} of {len(prompts)} requests")
+    return _job_record(wall, [counts[i] for i in range(len(prompts))], compiled=be.compiled)
+
+
+def _peer_batch(ref, prompts: list[list[int]], max_tokens: int, batch_size: int, prefill_batch_size: int,
+                prefill_step_size: int) -> dict:
+    """mlx-lm's ``batch_generate`` over every prompt (completion batch ``batch_size``); the tokens counted
+    are the ids it returned."""
+    from mlx_lm.generate import batch_generate
+
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    resp = batch_generate(ref, _NoStopTokenizer(), prompts, max_tokens=max_tokens, return_token_ids=True,
+                          completion_batch_size=batch_size, prefill_batch_size=prefill_batch_size,
+                          prefill_step_size=prefill_step_size)
+    wall = time.perf_counter() - t0
+    st = resp.stats
+    return _job_record(wall, [len(t) for t in resp.token_ids], compiled=False,
+                       peer_stats={"prompt_time": getattr(st, "prompt_time", None),
+                                   "generation_tps": getattr(st, "generation_tps", None)})
+
+
+def _time_job(run_once: Callable[[list[list[int]], int], dict], prompts: list[list[int]], warmup_prompts: int,
+              warmup_tokens: int, max_tokens: int, trials: int, probe: Callable[[], object] = lambda: None) -> dict:
+    """One warm-up run (``warmup_prompts`` prompts of ``warmup_tokens`` new tokens; its wall time is
+    ``warmup_s``), then ``trials`` timed runs of every prompt and their medians."""
+    warmup = run_once(prompts[:warmup_prompts], warmup_tokens)
+    after = probe()
+    timed = [run_once(prompts, max_tokens) for _ in range(trials)]
+    return {"warmup_s": warmup["wall_s"], "warmup": warmup, "trials": timed, "after_warmup": after,
+            "median": {"job_tps": statistics.median(t["job_tps"] for t in timed),
+                       "wall_s": statistics.median(t["wall_s"] for t in timed)}}
+
+
+def run_batch_bench(model: str | None = None, *, random: str | None = None, batch_sizes=(1, 8, 32, 64, 128),
+                    prompts: int = 256, prompts_b1: int | None = None, prompt_tokens: int = 64,
+                    max_tokens: int = 128, trials: int = 1, caches=("full",), dequantize: bool | str = "auto",
+                    peer: bool = True, variants=("auto",), json_path: str | Path | None = None,
+                    prefill_step_size: int = 512, seed: int = 0, echo: Callable[[str], None] = print,
+                    progress: Callable[[str], None] | None = None) -> dict:
+    """Job throughput (generated tokens / wall seconds, prefill included) of ``prompts`` distinct random
+    prompts, greedy, ``ignore_eos``, ``max_tokens`` new tokens each, per batch size B: ours through
+    ``pipeline.batch.BatchEngine`` (and at B=1 also the sequential ``Engine.generate`` loop), mlx-lm's
+    ``batch_generate`` (completion batch B, prefill batch min(B, 8)) on the same weights as the peer.
+
+    ``variants``: the engine's ``compile`` setting, ``auto`` (what a job uses), ``eager``, ``compiled``.
+    Rows at B=1 (sequential, batch and peer) run ``prompts_b1`` prompts (default ``prompts``): their
+    rate is per token, and they take longest. Each row: one warm-up run of min(prompts, B + 1) prompts of
+    ``WARMUP_TOKENS`` new tokens (every slot filled, then one refilled) (the sequential row: min(prompts, 2) prompts of ``max_tokens``), then
+    ``trials`` timed runs; B's rows of ours and mlx-lm run one after the other.
+
+    Raises:
+        BenchError: bad settings, or a run that did not generate ``max_tokens`` per prompt.
+    """
+    from .batch import BatchEngine
+
+    progress = progress or (lambda _s: None)
+    batch_sizes = list(batch_sizes)
+    prompts_b1 = prompts if prompts_b1 is None else prompts_b1
+    if trials < 1 or max_tokens < 1 or prompt_tokens < 1 or prompts < 1 or prompts_b1 < 1:
+        raise BenchError("trials, max_tokens, prompt tokens and prompts must be >= 1")
+    if not batch_sizes or min(batch_sizes) < 1 or len(set(batch_sizes)) != len(batch_sizes):
+        raise BenchError("batch sizes must be distinct integers >= 1")
+    for v in variants:
+        if v not in ("auto", "eager", "compiled"):
+            raise BenchError(f"unknown variant {v!r} (auto, eager, compiled)")
+    kinds = [parse_cache_kind(c) for c in caches]
+    features = engine_features()
+    dtype = compute_dtype("auto")
+    notes: list[str] = []
+    skipped: list[dict] = []
+
+    dequantize_setting = dequantize
+    config, weights, source, ours, dequantize, load_s = _load_ours(model, random, dtype, dequantize, seed)
+    args = ours.args
+    context = _check_context(args, [prompt_tokens], max_tokens)
+    progress(f"loaded {model or 'random ' + random} in {load_s:.1f}s (dtype {dtype}, dequantized {bool(dequantize)})")
+
+    rng = np.random.default_rng(seed)
+    all_prompts = distinct_prompts(rng, max(prompts, prompts_b1), prompt_tokens, args.vocab_size)
+    warmup_tokens = min(max_tokens, WARMUP_TOKENS)
+
+    def n_prompts(b: int) -> int:
+        return prompts_b1 if b == 1 else prompts
+
+    def params(n_new: int) -> GenerateParams:
+        return GenerateParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+
+    peer_info = {"available": _peer_available(), "ran": False}
+    ref = None
+    if peer and peer_info["available"]:
+        t = time.perf_counter()
+        ref = peer_model(config, weights, dtype)
+        peer_info.update({"ran": True, "function": "mlx_lm.generate.batch_generate", "dtype": str(dtype),
+                          "dequantized": False, "load_s": time.perf_counter() - t,
+                          "prefill_step_size": prefill_step_size, "prefill_batch_size": "min(B, 8)",
+                          "stop_tokens": [], "weight_read_bytes": weight_read_bytes(ref)})
+    elif peer:
+        notes.append("peer not run: mlx-lm is not installed")
+
+    engines: dict[tuple, Engine] = {}
+    run_kinds = []
+    for kind in kinds:
+        if kind["name"] != "full" and not features["cache_spec"]:
+            skipped.append({"impl": "pipeline", "cache": kind["name"],
+                            "reason": "this Engine has no cache_spec option (full cache only)"})
+            continue
+        for variant in variants:
+            compile_setting = {"auto": "auto", "eager": False, "compiled": True}[variant]
+            try:
+                spec = _cache_spec(kind) if features["cache_spec"] else None
+                engines[kind["name"], variant] = Engine(
+                    ours, eos_token_ids=[], context_length=context, prefill_step_size=prefill_step_size,
+                    compile=compile_setting, **({"cache_spec": spec} if features["cache_spec"] else {}))
+            except (ValueError, NotImplementedError) as e:
+                skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"], "reason": str(e)})
+                continue
+        if any(k[0] == kind["name"] for k in engines):
+            run_kinds.append(kind)
+        if ref is not None and kind["name"] != "full":
+            notes.append(f"cache {kind['name']}: no mlx-lm row (batch_generate is run with full caches only)")
+
+    rows: list[dict] = []
+
+    def base(impl, variant, compile_setting, kind, b):
+        return {"mode": "batch", "impl": impl, "variant": variant, "compile": compile_setting, "cache": kind["name"],
+                "max_kv_size": kind["max_kv_size"], "kv_bits": kind["kv_bits"], "prompt_tokens": prompt_tokens,
+                "max_tokens": max_tokens, "batch_size": b, "prompts": n_prompts(b)}
+
+    def add(row, timed):
+        row.update(timed)
+        row["trace_count_after_warmup"] = row.pop("after_warmup")
+        row["compiled"] = row["trials"][-1]["compiled"]
+        for t in row["trials"]:
+            if (t["min_tokens_per_prompt"], t["max_tokens_per_prompt"]) != (max_tokens, max_tokens):
+                raise BenchError(f"{row['impl']} {row['variant']} B={row['batch_size']} generated "
+                                 f"{t['min_tokens_per_prompt']}-{t['max_tokens_per_prompt']} tokens per prompt, "
+                                 f"not {max_tokens}")
+        rows.append(row)
+        progress(_batch_row_line(row))
+
+    for b in batch_sizes:
+        ps = all_prompts[: n_prompts(b)]
+        for kind in run_kinds:
+            for variant in variants:
+                engine = engines.get((kind["name"], variant))
+                if engine is None:
+                    continue
+                if b == 1:
+                    row = base("pipeline", "sequential", variant, kind, 1)
+                    try:
+                        timed = _time_job(lambda p, n: _ours_sequential(engine, p, params(n)), ps, min(len(ps), 2),
+                                          max_tokens, max_tokens, trials, probe=lambda: engine.trace_count)
+                    except (ValueError, NotImplementedError) as e:
+                        skipped.append({**row, "reason": f"{type(e).__name__}: {e}"})
+                    else:
+                        add(row, timed)
+                        row["trace_count"] = engine.trace_count
+                row = base("pipeline", "batch", variant, kind, b)
+                try:
+                    be = BatchEngine(engine, b, prompt_tokens + max_tokens)
+                    timed = _time_job(lambda p, n: _ours_batch(be, p, params(n)), ps, min(len(ps), b + 1),
+                                      warmup_tokens, max_tokens, trials, probe=lambda: be.trace_count)
+                except (ValueError, NotImplementedError) as e:
+                    skipped.append({**row, "reason": f"{type(e).__name__}: {e}"})
+                else:
+                    add(row, timed)
+                    row["trace_count"] = be.trace_count
+                    try:
+                        row["kv_bytes"] = be.kv_bytes()
+                    except Exception:  # noqa: BLE001 - informational only
+                        row["kv_bytes"] = None
+                del be
+        if ref is not None and any(k["name"] == "full" for k in run_kinds):
+            pbs = min(b, 8)
+            row = base("mlx-lm", "batch_generate", None, parse_cache_kind("full"), b)
+            row["prefill_batch_size"] = pbs
+            timed = _time_job(lambda p, n: _peer_batch(ref, p, n, b, pbs, prefill_step_size), ps, min(len(ps), b + 1),
+                              warmup_tokens, max_tokens, trials)
+            add(row, timed)
+
+    for row in rows:
+        if row["impl"] != "pipeline":
+            continue
+        p = next((r for r in rows if r["impl"] == "mlx-lm" and r["cache"] == row["cache"]
+                  and r["batch_size"] == row["batch_size"]), None)
+        row["ratio_vs_peer"] = row["median"]["job_tps"] / p["median"]["job_tps"] if p else None
+        seq = next((r for r in rows if r["impl"] == "pipeline" and r["variant"] == "sequential"
+                    and r["cache"] == row["cache"] and r["compile"] == row["compile"]), None)
+        row["speedup_vs_sequential"] = row["median"]["job_tps"] / seq["median"]["job_tps"] if seq else None
+
+    doc = {
+        "schema": SCHEMA,
+        "machine": machine_info(),
+        "settings": {
+            "mode": "batch", "model": source, "prompt_tokens": [prompt_tokens], "max_tokens": max_tokens,
+            "trials": trials, "caches": [k["name"] for k in kinds], "variants": list(variants), "dtype": str(dtype),
+            "dequantize": dequantize_setting, "dequantized": bool(dequantize),
+            "prefill_step_size": prefill_step_size, "seed": seed, "greedy": True, "ignore_eos": True,
+            "engine_features": features, "peer": peer_info, "batch_sizes": batch_sizes, "prompts": prompts,
+            "prompts_b1": prompts_b1, "warmup_tokens": warmup_tokens,
+        },
+        "model": {
+            "model_type": config["model_type"], "config": config, "context_length": context,
+            "parameters": dequantized_nbytes(ours, mx.float32) // 4, "weight_read_bytes": weight_read_bytes(ours),
+            "dequantized": bool(dequantize), "load_s": load_s,
+        },
+        "rows": rows,
+        "skipped": skipped,
+        "notes": notes,
+    }
+    echo(format_table(doc))
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+    return doc
+
+
 # --- output ------------------------------------------------------------------------------------------
 
 
@@ -570,9 +872,56 @@ def _row_line(row: dict) -> str:
             f"decode {_fmt(m['decode_tps'], '.1f')} tok/s (median of {len(row['trials'])})")
 
 
+def _batch_row_line(row: dict) -> str:
+    m = row["median"]
+    compile_setting = f" compile={row['compile']}" if row["compile"] is not None else ""
+    return (f"{row['impl']} {row['variant']}{compile_setting} cache={row['cache']} B={row['batch_size']}: "
+            f"warm-up {row['warmup_s']:.2f}s, {row['prompts']} prompts in {m['wall_s']:.2f}s, "
+            f"{m['job_tps']:.1f} tok/s (median of {len(row['trials'])})")
+
+
+def _format_batch_table(doc: dict) -> str:
+    s, mach, mod = doc["settings"], doc["machine"], doc["model"]
+    src = s["model"].get("spec") or f"random {s['model']['random']} (4-bit, group 64)"
+    b1 = f" ({s['prompts_b1']} at B=1)" if s["prompts_b1"] != s["prompts"] else ""
+    head = [
+        f"model: {src}, {mod['model_type']}, {mod['parameters'] / 1e6:.1f}M parameters; "
+        f"dtype {s['dtype']}, ours dequantized: {str(mod['dequantized']).lower()}",
+        f"device: {mach['device']} ({mach['processor']}, {mach['cpu_count']} cores), mlx {mach['mlx']}, "
+        f"mlx-lm {mach.get('mlx_lm')}, {mach['date']}",
+        f"job throughput: {s['prompts']} prompts{b1} of {s['prompt_tokens'][0]} random tokens, {s['max_tokens']} new "
+        f"tokens each, greedy, ignore_eos; generated tokens / wall s (prefill included); median of {s['trials']} "
+        f"trials after 1 warm-up (warmup_s, excluded)",
+    ]
+    cols = ["impl", "variant", "compile", "cache", "B", "prompts", "warmup_s", "wall_s", "job_tok/s", "x_peer",
+            "x_sequential"]
+    lines = []
+    for r in doc["rows"]:
+        m = r["median"]
+        compile_setting = "-" if r["compile"] is None else r["compile"] + ("(compiled)" if r["compiled"] else "(eager)")
+        lines.append([r["impl"], r["variant"], compile_setting, r["cache"], str(r["batch_size"]), str(r["prompts"]),
+                      f"{r['warmup_s']:.2f}", f"{m['wall_s']:.2f}", f"{m['job_tps']:.1f}",
+                      _fmt(r.get("ratio_vs_peer"), ".2f"), _fmt(r.get("speedup_vs_sequential"), ".2f")])
+    widths = [max(len(c), *(len(line[i]) for line in lines)) if lines else len(c) for i, c in enumerate(cols)]
+
+    def fmt_line(cells):
+        return "  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    out = head + ["", fmt_line(cols)] + [fmt_line(line) for line in lines]
+    out.append("x_peer: ours / mlx-lm batch_generate at the same B; x_sequential: ours / our sequential "
+               "Engine.generate loop (same compile setting)")
+    for sk in doc["skipped"]:
+        what = " ".join(f"{k}={sk[k]}" for k in ("impl", "variant", "cache", "batch_size") if k in sk)
+        out.append(f"skipped: {what}: {sk['reason']}")
+    out += [f"note: {n}" for n in doc["notes"]]
+    return "\n".join(out)
+
+
 def format_table(doc: dict) -> str:
     """The plain-text table: one line per row, medians of the trials; ``x peer`` columns are
-    ours / mlx-lm for tok/s (above 1: ours faster) and ours / mlx-lm for TTFT (below 1: ours faster)."""
+    ours / mlx-lm for tok/s (above 1: ours faster) and ours / mlx-lm for TTFT (below 1: ours faster).
+    Batch mode: one line per (implementation, variant, batch size), job tok/s."""
+    if doc["settings"].get("mode") == "batch":
+        return _format_batch_table(doc)
     s, mach, mod = doc["settings"], doc["machine"], doc["model"]
     src = s["model"].get("spec") or f"random {s['model']['random']} (4-bit, group 64)"
     head = [

@@ -271,26 +271,42 @@ def _int_list(ctx, param, value):
 @click.option("--prompt-tokens", default="64,512,2048", show_default=True, callback=_int_list,
               help="Prompt lengths (random tokens), comma-separated.")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=256, show_default=True, help="New tokens per run.")
-@click.option("--trials", type=click.IntRange(min=3), default=3, show_default=True,
+@click.option("--trials", type=click.IntRange(min=1), default=3, show_default=True,
               help="Timed runs per row (median reported), after one warm-up run.")
 @click.option("--cache", "caches", default="full", show_default=True,
               help="KV cache kinds, comma-separated: full, rotating:N, q8, q4, rotating-q8:N.")
-@click.option("--variants", default="eager,compiled", show_default=True, help="Engine decode variants to run.")
+@click.option("--variants", default=None,
+              help="Engine decode variants to run: eager, compiled [default: eager,compiled]; with --batch-size: "
+                   "the engine's compile setting, auto, eager, compiled [default: auto].")
 @click.option("--dequantize/--no-dequantize", default=None,
               help="Expand quantized weights (default: load_model's auto rule); --no-dequantize runs the same "
                    "quantized kernels as mlx-lm.")
-@click.option("--no-peer", is_flag=True, help="Skip mlx-lm's generate_step on the same weights.")
+@click.option("--no-peer", is_flag=True, help="Skip mlx-lm (generate_step; with --batch-size: batch_generate).")
+@click.option("--batch-size", "batch_sizes", default=None,
+              callback=lambda ctx, param, value: None if value is None else _int_list(ctx, param, value),
+              help="Job throughput mode: batch sizes, comma-separated (e.g. 1,8,32,64,128): --prompts prompts of the "
+                   "first --prompt-tokens length through the batching engine at each size (at 1 also the sequential "
+                   "loop), with mlx-lm's batch_generate as the peer.")
+@click.option("--prompts", type=click.IntRange(min=1), default=256, show_default=True,
+              help="With --batch-size: distinct random prompts per run.")
+@click.option("--prompts-b1", type=click.IntRange(min=1), default=None,
+              help="With --batch-size: prompts per run at batch size 1 (default: --prompts).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every row and trial as JSON.")
-def bench(model, random_shape, prompt_tokens, max_tokens, trials, caches, variants, dequantize, no_peer, json_path):
+def bench(model, random_shape, prompt_tokens, max_tokens, trials, caches, variants, dequantize, no_peer, batch_sizes,
+          prompts, prompts_b1, json_path):
     """Decode tok/s, prefill tok/s and TTFT of MODEL (or --random SHAPE): eager vs compiled, per cache kind and
-    prompt length, with mlx-lm's generate_step on the same weights in the same run."""
+    prompt length, with mlx-lm's generate_step on the same weights in the same run. With --batch-size: job
+    throughput (generated tokens / wall s) of batched decoding per batch size, with mlx-lm's batch_generate."""
     from .bench import BenchError, run_bench
 
+    if variants is None:
+        variants = "auto" if batch_sizes else "eager,compiled"
     try:
         run_bench(model, random=random_shape, prompt_tokens=prompt_tokens, max_tokens=max_tokens, trials=trials,
                   caches=[c for c in caches.split(",") if c.strip()],
                   variants=[v.strip() for v in variants.split(",") if v.strip()],
                   dequantize="auto" if dequantize is None else dequantize, peer=not no_peer, json_path=json_path,
-                  echo=click.echo, progress=lambda line: click.echo(line, err=True))
+                  echo=click.echo, progress=lambda line: click.echo(line, err=True), batch_sizes=batch_sizes,
+                  prompts=prompts, prompts_b1=prompts_b1)
     except (BenchError, *USER_ERRORS) as e:
         _fail(e)

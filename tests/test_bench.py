@@ -182,3 +182,79 @@ def test_random_weights_quantized_in_chunks():
 def test_cli_needs_a_model():
     result = CliRunner().invoke(main, ["bench", "--prompt-tokens", "8"])
     assert result.exit_code == 1 and "--random" in result.output
+
+
+# --- batch mode (--batch-size): job throughput ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def batch_doc(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench-batch") / "batch.json"
+    result = CliRunner().invoke(main, ["bench", "--random", "tiny", "--prompt-tokens", "8,12", "--max-tokens", "3",
+                                       "--trials", "2", "--batch-size", "1,3", "--prompts", "5", "--prompts-b1", "2",
+                                       "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    return json.loads(path.read_text(encoding="utf-8")), result.output
+
+
+def test_batch_mode_structure(batch_doc):
+    doc, output = batch_doc
+    assert doc["schema"] == bench.SCHEMA
+    s = doc["settings"]
+    assert s["mode"] == "batch" and s["batch_sizes"] == [1, 3] and (s["prompts"], s["prompts_b1"]) == (5, 2)
+    assert (s["prompt_tokens"], s["max_tokens"], s["trials"], s["variants"]) == ([8], 3, 2, ["auto"])
+    expected = [("pipeline", "sequential", 1), ("pipeline", "batch", 1)]
+    expected += [("mlx-lm", "batch_generate", 1)] if HAVE_MLX_LM else []
+    expected += [("pipeline", "batch", 3)] + ([("mlx-lm", "batch_generate", 3)] if HAVE_MLX_LM else [])
+    assert [(r["impl"], r["variant"], r["batch_size"]) for r in doc["rows"]] == expected
+    for r in doc["rows"]:
+        n = 2 if r["batch_size"] == 1 else 5
+        assert r["mode"] == "batch" and (r["prompts"], r["prompt_tokens"], r["max_tokens"]) == (n, 8, 3)
+        assert len(r["trials"]) == 2
+        for t in r["trials"]:  # every prompt generated exactly max_tokens: no early EOS on either side
+            assert (t["prompts"], t["generated_tokens"]) == (n, n * 3)
+            assert t["min_tokens_per_prompt"] == t["max_tokens_per_prompt"] == 3
+            assert math.isclose(t["job_tps"], t["generated_tokens"] / t["wall_s"])
+        warm = r["warmup"]
+        assert r["warmup_s"] == warm["wall_s"]
+        if r["variant"] == "sequential":
+            assert warm["generated_tokens"] == min(n, 2) * 3
+        else:
+            assert warm["prompts"] == min(n, r["batch_size"] + 1) and warm["max_tokens_per_prompt"] == min(3, 8)
+        assert r["median"]["job_tps"] == statistics.median(t["job_tps"] for t in r["trials"])
+        assert r["median"]["wall_s"] == statistics.median(t["wall_s"] for t in r["trials"])
+        line = next(line for line in output.splitlines()
+                    if line.split()[:2] == [r["impl"], r["variant"]] and line.split()[4] == str(r["batch_size"]))
+        assert f"{r['median']['job_tps']:.1f}" in line
+    ours = [r for r in doc["rows"] if r["impl"] == "pipeline"]
+    seq = ours[0]["median"]["job_tps"]
+    for r in ours:
+        assert r["compile"] == "auto" and isinstance(r["compiled"], bool)
+        assert math.isclose(r["speedup_vs_sequential"], r["median"]["job_tps"] / seq)
+        if r["variant"] == "batch":
+            assert r["kv_bytes"] > 0
+            assert r["trace_count"] == r["trace_count_after_warmup"]  # nothing traced during the timed runs
+        peer = next((p for p in doc["rows"] if p["impl"] == "mlx-lm" and p["batch_size"] == r["batch_size"]), None)
+        if peer is None:
+            assert r["ratio_vs_peer"] is None
+        else:
+            assert math.isclose(r["ratio_vs_peer"], r["median"]["job_tps"] / peer["median"]["job_tps"])
+    if HAVE_MLX_LM:
+        assert s["peer"]["function"] == "mlx_lm.generate.batch_generate"
+        assert [p["prefill_batch_size"] for p in doc["rows"] if p["impl"] == "mlx-lm"] == [1, 3]
+
+
+def test_distinct_prompts():
+    import numpy as np
+
+    ps = bench.distinct_prompts(np.random.default_rng(0), 16, 2, 4)  # all 16 prompts of 2 tokens from 4 ids
+    assert len({tuple(p) for p in ps}) == 16 and all(len(p) == 2 and max(p) < 4 for p in ps)
+    with pytest.raises(bench.BenchError):
+        bench.distinct_prompts(np.random.default_rng(0), 17, 2, 4)
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_sizes": (2, 2)}, {"batch_sizes": (0,)}, {"variants": ("fast",)},
+                                    {"prompts": 0}])
+def test_batch_mode_rejects(kwargs):
+    with pytest.raises(bench.BenchError):
+        bench.run_batch_bench(random="tiny", **{"batch_sizes": (1,), **kwargs}, echo=lambda _s: None)
