@@ -62,13 +62,17 @@ class BatchView:
     time gives the same values as quantizing at the switch).
     """
 
-    def __init__(self, kind: LayerKind, keys, values, pos: mx.array, start: int = 0):
+    def __init__(self, kind: LayerKind, keys, values, pos: mx.array, start: int = 0, masks: dict | None = None):
         self.kind, self.keys, self.values, self.offset, self.start = kind, keys, values, pos, start
+        self._masks = {} if masks is None else masks
 
     def make_mask(self, n: int) -> mx.array:
-        """``(B, 1, 1, capacity)`` bool: True where the slot holds a position at or before the query."""
-        visible = mx.arange(self.kind.capacity)[None, :] <= self.offset[:, None]
-        return visible[:, None, None, :]
+        """``(B, 1, 1, capacity)`` bool: True where the slot holds a position at or before the query
+        (built once per step for all layers of one capacity: ``masks`` is shared by the step's views)."""
+        cap = self.kind.capacity
+        if cap not in self._masks:
+            self._masks[cap] = (mx.arange(cap)[None, :] <= self.offset[:, None])[:, None, None, :]
+        return self._masks[cap]
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         kind = self.kind
@@ -227,7 +231,8 @@ class BatchEngine:
 
             def step(tokens, pos, active, *buffers):
                 self.trace_count += self.compiled
-                views = [BatchView(k, buffers[2 * i], buffers[2 * i + 1], pos, start)
+                masks: dict = {}
+                views = [BatchView(k, buffers[2 * i], buffers[2 * i + 1], pos, start, masks)
                          for i, (k, start) in enumerate(zip(kinds, starts))]
                 logits = model(tokens.reshape(-1, 1), views)[:, -1, :].astype(mx.float32)
                 out = [logits, mx.argmax(logits, axis=-1).astype(mx.uint32), pos + active]
