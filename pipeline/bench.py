@@ -384,14 +384,15 @@ def _peer_available() -> bool:
         return False
 
 
-def _load_ours(model, random, dtype, dequantize, seed):
+def _load_ours(model, random, dtype, dequantize, seed, batch_size: int = 1):
     """(config, weights, source, our model, dequantized?, load seconds): our model as ``load_model``
-    builds it (the "auto" dequantize rule unless ``dequantize`` is a bool, fused projections)."""
+    builds it (the "auto" dequantize rule for ``batch_size`` unless ``dequantize`` is a bool, fused
+    projections)."""
     t = time.perf_counter()
     config, weights, source = load_weights(model, random, dtype, seed)
     ours = build_model(config, weights, dtype)
     if dequantize == "auto":
-        dequantize = should_dequantize(ours, dtype)
+        dequantize = should_dequantize(ours, dtype, batch_size)
     if dequantize:
         dequantize_model(ours, dtype)
     fuse_projections(ours)  # as load_model does
@@ -714,7 +715,8 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
     skipped: list[dict] = []
 
     dequantize_setting = dequantize
-    config, weights, source, ours, dequantize, load_s = _load_ours(model, random, dtype, dequantize, seed)
+    config, weights, source, ours, dequantize, load_s = _load_ours(model, random, dtype, dequantize, seed,
+                                                                   batch_size=max(batch_sizes))
     args = ours.args
     context = _check_context(args, [prompt_tokens], max_tokens)
     progress(f"loaded {model or 'random ' + random} in {load_s:.1f}s (dtype {dtype}, dequantized {bool(dequantize)})")
