@@ -372,7 +372,7 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
 
     lm = load_model(job.model, dtype=job.engine.dtype, dequantize=job.engine.dequantize,
                     prefill_step_size=job.engine.prefill_step_size, cache_spec=job.cache,
-                    compile=job.engine.compile, path=path)
+                    compile=job.engine.compile, path=path, batch_size=job.engine.batch_size)
     if job.input.apply_chat_template and not lm.tokenizer.chat_template:
         raise TokenizerError(f"model {job.model!r} has no chat template; set input.apply_chat_template: false")
     schema = result_schema(id_type)
