@@ -306,7 +306,8 @@ class EngineSpec:
         dtype: compute dtype: "auto" (float32 on CPU, where float16 matmuls are far slower;
             float16 on GPU), "float32", "float16" or "bfloat16".
         dequantize: expand quantized weights to ``dtype`` at load: true, false, or "auto" (on the CPU
-            with OpenBLAS when the expanded weights fit in 4 GiB; same values, faster matmuls).
+            with OpenBLAS when the expanded weights fit in 4 GiB; on a GPU for ``batch_size`` > 1 when
+            they take at most a quarter of its memory; ``pipeline.loader.should_dequantize``).
         prefill_step_size: prompt tokens per prefill chunk.
         compile: run decode steps through the compiled closure set: true, false (eager), or "auto"
             (compiled, except on the CUDA backend with only full caches, where eager decode measured
