@@ -6,6 +6,12 @@ temporary file, fsynced and renamed (``write_shard``); then the manifest is rewr
 several workers can write shards while one process, the only manifest writer, commits them. Files
 in the output directory that the manifest does not list are never read as results: leftover
 temporary files and shards of an interrupted run are removed when the store is opened, and reported.
+
+Work units (``executor: ray``) write shards named ``unit-NNNNN.parquet``; the manifest's ``plan``
+records each uncommitted unit's row count and a digest of its keys (``plan_units``). A unit shard
+that is on disk but not committed (the driver died between the worker's rename and its commit) is
+verified against the plan when the store is opened and committed (*adopted*) if it matches; otherwise
+it is removed like any other uncommitted shard.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ MANIFEST = "manifest.json"
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 FORMAT_VERSION = 2
-_SHARD_NAME = re.compile(r"part-\d{5,}\.parquet")
+_SHARD_NAME = re.compile(r"part-(\d{5,})\.parquet")
+_UNIT_NAME = re.compile(r"unit-\d{5,}\.parquet")
 
 
 class OutputError(RuntimeError):
@@ -87,18 +94,30 @@ def write_shard(out_dir: str | Path, name: str, table: pa.Table) -> dict:
     return {"file": name, "rows": table.num_rows, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def keys_digest(keys) -> str:
+    """sha256 (hex) of a set of ``(id, sample_index)`` keys, independent of their order."""
+    return hashlib.sha256(json.dumps(sorted([i, k] for i, k in keys)).encode()).hexdigest()
+
+
+def _table_keys(table: pa.Table) -> list[tuple]:
+    return list(zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist()))
+
+
 @dataclass
 class OpenReport:
     """What opening an output directory found and cleaned up.
 
     Attributes:
-        temporaries: leftover temporary files removed (an interrupted atomic write).
+        temporaries: leftover temporary files removed (an interrupted atomic write, a Ray unit's attempt count).
         orphans: shard files not listed in the manifest, removed (written by a run that was killed before
             committing them; their rows were not committed and are generated again).
+        adopted: complete unit shards of the manifest's plan that were written but not committed,
+            verified and committed now.
     """
 
     temporaries: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
 
 
 def read_manifest(out_dir: str | Path) -> dict | None:
@@ -163,8 +182,9 @@ def check_output_dir(out_dir: str | Path, fingerprint: dict, *, force: bool = Fa
 class ShardStore:
     """The output directory of one job; the only writer of its manifest.
 
-    Opening it removes leftover temporary files and uncommitted shard files (see ``report``) and checks
-    that every committed shard is present with its recorded size.
+    Opening it removes leftover temporary files and uncommitted shard files (see ``report``), checks
+    that every committed shard is present with its recorded size, and adopts the complete unit shards
+    of the plan that were not committed (only while the fingerprint is unchanged).
 
     Args:
         out_dir: the directory (created if missing).
@@ -192,6 +212,7 @@ class ShardStore:
         self.manifest = manifest
         self.report = self._clean()
         self._verify()
+        self._adopt_units(self.report, allowed=not changed)
 
     def _clean(self) -> OpenReport:
         report = OpenReport()
@@ -203,9 +224,43 @@ class ShardStore:
             elif _SHARD_NAME.fullmatch(p.name) and p.name not in listed:
                 p.unlink(missing_ok=True)
                 report.orphans.append(p.name)
+            # unlisted unit-NNNNN.parquet files are left to _adopt_units
         if report.temporaries or report.orphans:
             _fsync_dir(self.dir)
         return report
+
+    def _adopt_units(self, report: OpenReport, allowed: bool) -> None:
+        """Commit each unlisted unit shard that the plan names, that reads as Parquet and whose keys are
+        exactly the plan's for that unit, none of them already committed without an error (committed
+        failed rows it holds are replaced, as by the ``--retry-failed`` run that planned it); remove the
+        others. ``allowed`` false (the job's fingerprint changed) removes them all."""
+        listed = {s["file"] for s in self.manifest["shards"]}
+        found = [p for p in sorted(self.dir.iterdir()) if _UNIT_NAME.fullmatch(p.name) and p.name not in listed]
+        plan = self.manifest.get("plan", {}).get("units", {})
+        committed = failed = None
+        for p in found:
+            want, keys = plan.get(p.name) if allowed else None, None
+            if want is not None:
+                try:
+                    data = p.read_bytes()
+                    keys = _table_keys(pq.read_table(pa.BufferReader(data), columns=["id", "sample_index"]))
+                except (OSError, pa.ArrowException, KeyError):
+                    keys = None
+            if keys is not None and len(keys) == want["rows"] and keys_digest(keys) == want["keys"]:
+                if committed is None:
+                    committed, failed = self.committed_keys(), self.failed_keys()
+                overlap = set(keys) & committed
+                if not overlap - failed:
+                    entry = {"file": p.name, "rows": len(keys), "bytes": len(data),
+                             "sha256": hashlib.sha256(data).hexdigest()}
+                    self.commit_written(entry, replaces=overlap)
+                    committed |= set(keys)
+                    report.adopted.append(p.name)
+                    continue
+            p.unlink(missing_ok=True)
+            report.orphans.append(p.name)
+        if found:
+            _fsync_dir(self.dir)
 
     def _verify(self) -> None:
         for s in self.manifest["shards"]:
@@ -247,9 +302,28 @@ class ShardStore:
         Returns the shard file name."""
         entry = write_shard(self.dir, self.next_name(), table)
         self.manifest["next_shard"] += 1
-        rewritten = self._without(replaces) if replaces else {}
-        self.commit_entries([entry], rewritten)
+        self.commit_written(entry, replaces)
         return entry["file"]
+
+    def commit_written(self, entry: dict, replaces: set[tuple] = frozenset()) -> None:
+        """Commit one shard already written with ``write_shard``, dropping the committed rows whose
+        ``(id, sample_index)`` is in ``replaces`` in the same commit; a unit shard leaves the plan."""
+        rewritten = self._without(replaces) if replaces else {}
+        self.manifest.get("plan", {}).get("units", {}).pop(entry["file"], None)
+        self.commit_entries([entry], rewritten)
+
+    def plan_units(self, units: list[list[tuple]], unit_rows: int) -> list[str]:
+        """Reserve a shard name ``unit-NNNNN.parquet`` (never used before in this directory) for each
+        work unit, given as its ``(id, sample_index)`` keys, and record the plan in the manifest (row
+        count and ``keys_digest`` per unit, replacing any earlier plan) before any unit runs, so that a
+        unit shard written but not committed can be adopted on the next open. Returns the names."""
+        first = self.manifest.get("next_unit", 0)
+        names = [f"unit-{first + j:05d}.parquet" for j in range(len(units))]
+        self.manifest["next_unit"] = first + len(units)
+        self.manifest["plan"] = {"unit_rows": unit_rows, "units": {
+            name: {"rows": len(keys), "keys": keys_digest(keys)} for name, keys in zip(names, units)}}
+        self._write_manifest()
+        return names
 
     def _without(self, keys: set[tuple]) -> dict[str, dict | None]:
         """New shards for the committed shards holding any of ``keys``, without those rows:
@@ -281,7 +355,7 @@ class ShardStore:
         shards += entries
         self.manifest["shards"] = shards
         self.manifest["rows"] = sum(s["rows"] for s in shards)
-        used = [int(s["file"][5:-8]) for s in shards]
+        used = [int(m.group(1)) for s in shards if (m := _SHARD_NAME.fullmatch(s["file"]))]
         self.manifest["next_shard"] = max([self.manifest.get("next_shard", 0), *(u + 1 for u in used)])
         self._write_manifest()
         for old in rewritten:
