@@ -19,6 +19,7 @@ import click
 
 from .cache import CacheConfigError
 from .chat_template import ChatTemplateError
+from .distributed import DistributedError
 from .gguf import GGUFError
 from .inputs import InputError, read_rows
 from .modeldir import ModelDirError
@@ -30,7 +31,7 @@ from .shards import OutputError
 from .tokenizer import TokenizerError
 
 USER_ERRORS = (CacheConfigError, JobSpecError, InputError, OutputError, ModelResolveError, GGUFError, ModelDirError, TokenizerError,
-               ConfigError, ChatTemplateError, WeightsError)
+               ConfigError, ChatTemplateError, WeightsError, DistributedError)
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
@@ -80,18 +81,25 @@ def main():
 @click.option("--retry-failed", is_flag=True, help="Generate the committed rows whose error is set again, replacing them.")
 @click.option("--failed-exit-code", type=click.IntRange(0, 255), default=3, show_default=True,
               help="Exit status when the output holds failed rows (0: treat them as success).")
-def run(job_file, output_dir, limit, force, no_progress, retry_failed, failed_exit_code):
+@click.option("--ray", "ray_address", is_flag=False, flag_value="auto", metavar="[ADDRESS|auto|local]",
+              help="Run on a Ray cluster (executor: ray): --ray alone connects to the running cluster (auto), "
+                   "--ray local starts one for this run, --ray HOST:PORT names one. Put it after JOB_FILE.")
+def run(job_file, output_dir, limit, force, no_progress, retry_failed, failed_exit_code, ray_address):
     """Run JOB_FILE, or resume it where an earlier run stopped.
 
     Exit status: 0 all rows done; FAILED_EXIT_CODE (3) done but some rows failed (see their error
     column; --retry-failed redoes them); 2 a problem with the job or its input (nothing generated);
-    1 another error (model download or load); 130 / 143 stopped by SIGINT / SIGTERM (run again to
-    resume).
+    1 another error (model download or load, Ray missing or failing); 130 / 143 stopped by SIGINT /
+    SIGTERM (run again to resume).
     """
+    import dataclasses
+
     from .runner import run_job
 
     try:
         job = load_job(job_file)
+        if ray_address is not None:
+            job = dataclasses.replace(job, executor="ray", ray=dataclasses.replace(job.ray, address=ray_address))
         _check_model_spec(job.model)
         summary = run_job(job, output_dir=output_dir, limit=limit, force=force, retry_failed=retry_failed,
                           progress=not no_progress, echo=click.echo)

@@ -383,7 +383,8 @@ class OutputSpec:
     """Where results go.
 
     Attributes:
-        dir: output directory (shards ``part-NNNNN.parquet`` and ``manifest.json``).
+        dir: output directory (shards ``part-NNNNN.parquet``, or ``unit-NNNNN.parquet`` with
+            ``executor: ray``, and ``manifest.json``).
         shard_size: rows per shard.
         flush_seconds: commit the rows finished so far after this many seconds even if the shard is not
             full, so a crash loses at most this much work.
@@ -404,8 +405,57 @@ class OutputSpec:
 
 
 @dataclass
+class RaySpec:
+    """Where and how ``executor: ray`` runs (``pipeline.distributed``); not part of the job fingerprint.
+
+    Attributes:
+        address: the Ray cluster, as ``ray.init(address=...)`` takes it: None finds one (``RAY_ADDRESS``,
+            as ``ray job submit`` sets it, or a cluster started on this machine) or starts a local one;
+            "auto" needs an existing one; "local" always starts a new local one; or "HOST:PORT" /
+            "ray://HOST:PORT".
+        actors: Ray actors, each loading the model once; None: the cluster's GPUs divided by
+            ``num_gpus``, or on a cluster without GPUs one per CPU.
+        unit_rows: output rows per work unit (one shard each, committed when it arrives); None:
+            ``output.shard_size``.
+        num_cpus: CPUs reserved per actor (fractions allowed); None: 1 on GPUs, else 3/4 of the
+            cluster's CPUs shared among the actors (the rest stays free for Ray Data's own tasks).
+        num_gpus: GPUs per actor; None: 1 when the cluster has GPUs, else 0 (the actor then runs on
+            the CPU and sees no GPU).
+    """
+
+    address: str | None = None
+    actors: int | None = None
+    unit_rows: int | None = None
+    num_cpus: float | None = None
+    num_gpus: float | None = None
+
+    def check(self):
+        """Raises: JobSpecError: every value out of range."""
+        bad = _Problems()
+        if self.address is not None and not self.address.strip():
+            bad.append("ray.address must be null, auto, local, HOST:PORT or ray://HOST:PORT, got ''")
+        if self.actors is not None and self.actors < 1:
+            bad.append(f"ray.actors must be >= 1, got {self.actors}")
+        if self.unit_rows is not None and self.unit_rows < 1:
+            bad.append(f"ray.unit_rows must be >= 1, got {self.unit_rows}")
+        if self.num_cpus is not None and not 0 < self.num_cpus < float("inf"):
+            bad.append(f"ray.num_cpus must be a number > 0, got {self.num_cpus}")
+        if self.num_gpus is not None and not 0 <= self.num_gpus < float("inf"):
+            bad.append(f"ray.num_gpus must be a number >= 0, got {self.num_gpus}")
+        bad.raise_any()
+
+
+EXECUTORS = ("local", "ray")
+
+
+@dataclass
 class JobSpec:
-    """A whole job file."""
+    """A whole job file.
+
+    Attributes:
+        executor: "local" runs the job in this process; "ray" on a Ray cluster with Ray Data (``ray``
+            section; ``pipeline.distributed``). Same rows either way; not part of the fingerprint.
+    """
 
     input: InputSpec
     output: OutputSpec
@@ -413,6 +463,13 @@ class JobSpec:
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     engine: EngineSpec = field(default_factory=EngineSpec)
     cache: CacheSpec = field(default_factory=CacheSpec)
+    executor: str = "local"
+    ray: RaySpec = field(default_factory=RaySpec)
+
+    def check(self):
+        """Raises: JobSpecError: an unknown executor."""
+        if self.executor not in EXECUTORS:
+            raise JobSpecError(f"executor must be local or ray, got {self.executor!r}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

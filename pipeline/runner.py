@@ -50,6 +50,8 @@ class RunSummary:
         closures: compiled decode closures the engine built (bounded by the distinct graph shapes).
         interrupted: None, "SIGINT" or "SIGTERM".
         aborted: a second signal stopped the run at once; finished rows not yet committed were dropped.
+        workers: ``executor: ray``: per Ray actor (``host:pid``), the units, rows, completion tokens and
+            seconds of the units it ran; empty in local mode.
     """
 
     out_dir: Path
@@ -64,6 +66,7 @@ class RunSummary:
     closures: int = 0
     interrupted: str | None = None
     aborted: bool = False
+    workers: dict[str, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -78,8 +81,9 @@ class RunSummary:
             return (f"nothing to do: all {self.rows_total} rows are already committed in {self.out_dir}; "
                     f"charts and failed rows: pipeline report {shlex.quote(str(self.out_dir))}")
         tps = self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        on = f" on {len(self.workers)} Ray actor{'s' * (len(self.workers) != 1)}" if self.workers else ""
         return (f"done: {self.rows_written} row{'s' * (self.rows_written != 1)} written ({self.rows_failed} failed, "
-                f"{self.rows_skipped} from earlier runs) in {self.elapsed_s:.1f} s, {self.completion_tokens} tokens "
+                f"{self.rows_skipped} from earlier runs) in {self.elapsed_s:.1f} s{on}, {self.completion_tokens} tokens "
                 f"generated ({tps:.1f} tok/s); {self.shards} shard{'s' * (self.shards != 1)} in {self.out_dir}; "
                 f"{self.closures} compiled decode closure{'s' * (self.closures != 1)}; "
                 f"charts and failed rows: pipeline report {shlex.quote(str(self.out_dir))}")
@@ -300,19 +304,25 @@ def _build_or_error(row: InputRow, job: JobSpec, lm: LoadedModel) -> Prompt | Ro
 
 class _Signals:
     """SIGINT / SIGTERM while generating: the first asks the loop to stop after the row(s) in flight
-    (finished rows are then committed); a second raises ``Aborted`` at once. Restores the previous
-    handlers."""
+    (finished rows are then committed); a second raises ``Aborted`` at once. With ``what="units"`` (Ray:
+    each unit is committed as it arrives, units in flight cannot be finished alone) the first raises
+    ``Aborted``. Restores the previous handlers."""
 
     def __init__(self, say, what: str = "row"):
         self.first: str | None = None
         self.say = say
-        self.what = "the rows in flight" if what == "rows" else "the row in flight"
+        self.what = what
 
     def _handle(self, signum, frame):
         name = "SIGINT" if signum == signal.SIGINT else "SIGTERM"
+        if self.what == "units":
+            self.first = self.first or name
+            self.say(f"{name}: stopping; the units committed so far are kept, units in flight are redone on resume")
+            raise Aborted(name)
         if self.first is None:
             self.first = name
-            self.say(f"{name}: finishing {self.what}, then committing; press Ctrl-C again to stop at once")
+            what = "the rows in flight" if self.what == "rows" else "the row in flight"
+            self.say(f"{name}: finishing {what}, then committing; press Ctrl-C again to stop at once")
         else:
             raise Aborted(name)
 
@@ -328,7 +338,8 @@ class _Signals:
 def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = None, force: bool = False,
             retry_failed: bool = False, progress: bool = True, echo=print,
             on_result: Callable[[Result], None] | None = None) -> RunSummary:
-    """Run (or resume) a job.
+    """Run (or resume) a job, in this process or (``executor: ray``) on a Ray cluster
+    (``pipeline.distributed.run_units``): the same planning, rows and resume either way.
 
     Each input row gives ``n`` output rows (``sample_index`` 0..n-1); those whose ``(id, sample_index)``
     is already committed are skipped. Finished rows are committed every ``output.shard_size`` rows or
@@ -344,11 +355,16 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
         retry_failed: generate committed rows whose ``error`` is set again, replacing them.
         progress: show a tqdm progress bar on stderr.
         echo: where status lines go.
-        on_result: called with each finished ``Result`` (before it is committed).
+        on_result: called with each finished ``Result`` (before it is committed); local mode only.
 
     Raises:
         InputError, OutputError, ModelResolveError, GGUFError, TokenizerError: before any generation.
+        DistributedError: ``executor: ray`` without Ray Data installed, or a failed run on the cluster.
     """
+    if job.executor == "ray":
+        from .distributed import import_ray, run_units
+
+        import_ray()  # missing Ray Data: one error line, before the output dir is touched
     out_dir = Path(output_dir or job.output.dir)
     rows, id_type = read_rows(job.input, limit)
     path = resolve_model(job.model)
@@ -364,17 +380,22 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
     summary = RunSummary(out_dir=out_dir, rows_total=len(planned), rows_skipped=len(planned) - len(pending))
     store.manifest["inputs"] = inputs
     store.manifest["info"] = {"python": sys.version.split()[0], "job": job.to_dict()}
-    run_record = {"started": _now(), "rows_pending": len(pending), "retry_failed": retry_failed, "force": force}
+    store.manifest.pop("plan", None)  # a Ray run's units: adopted or removed on open; a Ray run plans anew
+    run_record = {"started": _now(), "rows_pending": len(pending), "retry_failed": retry_failed, "force": force,
+                  "executor": job.executor}
     store.manifest.setdefault("runs", []).append(run_record)
     store.save()
     if not pending:
         return _finish(summary, store, run_record)
+    if job.executor == "ray":
+        with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "units"):
+            try:
+                run_units(job, store, path, id_type, planned, pending, retry, summary, progress=progress, echo=echo)
+            except Aborted as e:
+                summary.interrupted, summary.aborted = str(e), True
+        return _finish(summary, store, run_record)
 
-    lm = load_model(job.model, dtype=job.engine.dtype, dequantize=job.engine.dequantize,
-                    prefill_step_size=job.engine.prefill_step_size, cache_spec=job.cache,
-                    compile=job.engine.compile, path=path, batch_size=job.engine.batch_size)
-    if job.input.apply_chat_template and not lm.tokenizer.chat_template:
-        raise TokenizerError(f"model {job.model!r} has no chat template; set input.apply_chat_template: false")
+    lm = load_job_model(job, path)
     schema = result_schema(id_type)
     buffer: list[Result] = []
     last_flush = time.monotonic()
@@ -404,21 +425,12 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
         if len(buffer) >= job.output.shard_size or time.monotonic() - last_flush >= job.output.flush_seconds:
             flush()
 
-    batched = job.engine.batch_size > 1
     batch_closures = 0
     try:
-        with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "rows" if batched else "row") as signals:
+        with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "rows" if job.engine.batch_size > 1 else "row") as signals:
             try:
-                if batched:
-                    batch_closures = _run_batched(lm, job, planned, pending, record, lambda: signals.first is not None)
-                else:
-                    prompt_of = (None, None)  # (row index, its Prompt or RowError): samples of a row share it
-                    for row, k, gen in pending:
-                        if signals.first:
-                            break
-                        if prompt_of[0] != row.index:
-                            prompt_of = (row.index, _build_or_error(row, job, lm))
-                        record(generate_row(lm, job, row, k, gen, prompt_of[1]))
+                batch_closures = generate_samples(lm, job, pending, record, lambda: signals.first is not None,
+                                                  planned=planned)
                 flush()
                 summary.interrupted = signals.first
             except Aborted as e:
@@ -430,31 +442,93 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
     return _finish(summary, store, run_record)
 
 
+def load_job_model(job: JobSpec, path: Path) -> LoadedModel:
+    """The job's model from its resolved ``path``, with the job's engine and cache settings (in this
+    process, or in a Ray actor).
+
+    Raises:
+        GGUFError, ModelDirError, ConfigError, WeightsError: the model cannot be loaded.
+        TokenizerError: ``input.apply_chat_template`` and the model has no chat template.
+    """
+    lm = load_model(job.model, dtype=job.engine.dtype, dequantize=job.engine.dequantize,
+                    prefill_step_size=job.engine.prefill_step_size, cache_spec=job.cache,
+                    compile=job.engine.compile, path=path, batch_size=job.engine.batch_size)
+    if job.input.apply_chat_template and not lm.tokenizer.chat_template:
+        raise TokenizerError(f"model {job.model!r} has no chat template; set input.apply_chat_template: false")
+    return lm
+
+
+def generate_samples(lm: LoadedModel, job: JobSpec, samples, record: Callable[[Result], None],
+                     stopping: Callable[[], bool] = lambda: False, *, planned=None, positions: int | None = None) -> int:
+    """Generate ``samples`` ((row, sample index, settings) triples, as ``plan_samples`` gives them) as a
+    job does, calling ``record`` with each ``Result``: one at a time in order, or with continuous batching
+    when ``engine.batch_size`` > 1 (``_run_batched``; rows then finish out of order). Once ``stopping()``
+    is true no new row starts. Returns the compiled closures a batch engine built (0 when sequential).
+
+    Args:
+        planned: every sample of the job (batched mode sizes its slots from all of them), or None when
+            ``positions`` is given.
+        positions: batched mode's slot capacity, ``batch_capacity(lm, job, planned)``, when computed
+            elsewhere (a Ray actor runs a slice of the job).
+
+    Raises:
+        JobSpecError: batched mode's KV buffers would exceed ``engine.max_kv_memory_gb`` or the device's memory.
+    """
+    if job.engine.batch_size > 1:
+        return _run_batched(lm, job, planned, samples, record, stopping, positions)
+    prompt_of = (None, None)  # (row index, its Prompt or RowError): samples of a row share it
+    for row, k, gen in samples:
+        if stopping():
+            break
+        if prompt_of[0] != row.index:
+            prompt_of = (row.index, _build_or_error(row, job, lm))
+        record(generate_row(lm, job, row, k, gen, prompt_of[1]))
+    return 0
+
+
+def _prepared(lm: LoadedModel, job: JobSpec, samples):
+    """``prepare_sample`` of each sample, lazily; the samples of a row share its built prompt."""
+    prompt_of = (None, None)  # (row index, its Prompt or RowError)
+    for row, k, gen in samples:
+        if prompt_of[0] != row.index:
+            prompt_of = (row.index, _build_or_error(row, job, lm))
+        yield prepare_sample(lm, job, row, k, gen, prompt_of[1])
+
+
+def _positions(lm: LoadedModel, s: Sample) -> int:
+    return min(len(s.ids) + s.params.max_tokens, lm.engine.context_length)
+
+
+def batch_capacity(lm: LoadedModel, job: JobSpec, planned) -> int:
+    """Batched mode's positions per slot for a job: the longest prompt + max_tokens of any sample in
+    ``planned`` (every sample of the job), at most the context; 0 if every sample fails."""
+    return max((_positions(lm, s) for s in _prepared(lm, job, planned) if s.failed is None), default=0)
+
+
 def _run_batched(lm: LoadedModel, job: JobSpec, planned, pending, record: Callable[[Result], None],
-                 stopping: Callable[[], bool]) -> int:
+                 stopping: Callable[[], bool], positions: int | None = None) -> int:
     """Generate ``pending`` samples with continuous batching (``engine.batch_size`` slots), calling
     ``record`` with each result as it finishes (rows come out of input order). Returns the compiled
     closures the batch engine built.
 
-    Every prompt of the job (``planned``, committed rows included) is built first: the longest prompt +
-    max_tokens sets the slots' capacity, so every run of a job, resumed or not, decodes with the same
-    step shape (B slots x capacity), and a row's tokens do not depend on which rows are still pending.
-    The KV memory is checked (``batch.check_kv_memory``) before any generation. Once ``stopping()`` is
-    true no new row starts; the rows in flight finish.
+    Every prompt of the job (``planned``, committed rows included) is built first, unless ``positions``
+    is given: the longest prompt + max_tokens sets the slots' capacity (``batch_capacity``), so every
+    run of a job, resumed or not, decodes with the same step shape (B slots x capacity), and a row's
+    tokens do not depend on which rows are still pending. The KV memory is checked
+    (``batch.check_kv_memory``) before any generation. Once ``stopping()`` is true no new row starts;
+    the rows in flight finish.
 
     Raises:
         JobSpecError: the KV buffers would exceed ``engine.max_kv_memory_gb`` or the device's memory.
     """
     todo = {(row.id, k) for row, k, _ in pending}
-    samples, failed, prompt_of, positions = [], [], (None, None), 0
-    for row, k, gen in planned:
-        if prompt_of[0] != row.index:
-            prompt_of = (row.index, _build_or_error(row, job, lm))
-        s = prepare_sample(lm, job, row, k, gen, prompt_of[1])
+    samples, failed, seen = [], [], 0
+    for s in _prepared(lm, job, pending if positions is not None else planned):
         if s.failed is None:
-            positions = max(positions, min(len(s.ids) + s.params.max_tokens, lm.engine.context_length))
-        if (row.id, k) in todo:
+            seen = max(seen, _positions(lm, s))
+        if (s.row.id, s.index) in todo:
             (samples if s.failed is None else failed).append(s)
+    positions = seen if positions is None else positions
     engine = None
     if samples:
         engine = BatchEngine(lm.engine, job.engine.batch_size, positions)
@@ -487,6 +561,8 @@ def _finish(summary: RunSummary, store: ShardStore, run_record: dict) -> RunSumm
     run_record.update(finished=_now(), rows_written=summary.rows_written, rows_failed=summary.rows_failed,
                       completion_tokens=summary.completion_tokens, elapsed_s=round(summary.elapsed_s, 3),
                       interrupted=summary.interrupted, aborted=summary.aborted)
+    if summary.workers:
+        run_record["workers"] = {k: {**w, "seconds": round(w["seconds"], 3)} for k, w in summary.workers.items()}
     store.manifest["complete"] = summary.complete
     store.save()
     return summary
@@ -499,7 +575,10 @@ def _report_open(store: ShardStore, inputs: list[dict], echo) -> None:
         echo(f"removed {len(r.orphans)} uncommitted shard file(s) left by an interrupted run "
              f"({', '.join(r.orphans[:5])}); their rows are generated again")
     if r.temporaries:
-        echo(f"removed {len(r.temporaries)} leftover temporary file(s) of an interrupted write")
+        echo(f"removed {len(r.temporaries)} leftover temporary file(s) of an interrupted run")
+    if r.adopted:
+        echo(f"adopted {len(r.adopted)} complete unit shard(s) written before the last run stopped "
+             f"({', '.join(r.adopted[:5])}); their rows are committed now")
     before = store.manifest.get("inputs")
     if before is not None and before != inputs:
         echo("the input files changed since the last run: rows added are generated, committed rows are kept")

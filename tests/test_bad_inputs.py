@@ -193,6 +193,12 @@ CASES = [
          {"engine": {"dtype": "int8"}}, commands=VALIDATE),
     Case("messages-without-template", [J + "input.messages_column needs input.apply_chat_template: true"],
          {"input": {"messages_column": "messages", "apply_chat_template": False}}, commands=VALIDATE),
+    # executor: ray and its section
+    Case("unknown-executor", [J + "executor must be local or ray, got 'spark'"], {"executor": "spark"}),
+    Case("unknown-ray-key", [J + "unknown key 'ray.actor' (did you mean 'actors'?)"], {"ray": {"actor": 2}},
+         commands=VALIDATE),
+    Case("ray-values", [J + "ray.actors must be >= 1, got 0", J + "ray.num_cpus must be a number > 0, got -1.0"],
+         {"ray": {"actors": 0, "num_cpus": -1}}, commands=VALIDATE),
     # every problem of a job file at once
     Case("many-problems", [
         J + "unknown key 'input.prompt_colum' (did you mean 'prompt_column'?)",

@@ -1,0 +1,240 @@
+"""``executor: ray`` on a local Ray cluster (one per test session: 2 CPUs, a 200 MB object store) with a
+tiny random-weight model: two actors give the rows of a local run; an actor that dies mid-unit costs no
+row and duplicates none; a driver SIGKILLed mid-run resumes from the manifest; a unit shard written but
+not committed is adopted; and without Ray the job fails with one line. Each Ray test has a time limit
+(their failure mode is a hang)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+import pipeline  # noqa: F401  (OpenBLAS before tiny_model imports mlx.core, as in `pipeline run` and the actors)
+
+# isort: split
+from conftest import ROOT
+from tiny_model import write_tiny_model
+
+from pipeline.jobspec import job_from_dict
+from pipeline.runner import run_job
+from pipeline.shards import keys_digest
+
+ROWS = 48
+UNIT = 4
+TIME_LIMIT_S = 120
+# Every column that must not depend on where a row ran; the timing and memory columns are left out.
+COMPARED = ["id", "sample_index", "prompt", "completion", "finish_reason", "stop_reason", "stop_token_id",
+            "completion_tokens", "prompt_tokens", "seed", "error", "batch_size"]
+
+
+@pytest.fixture(autouse=True)
+def time_limit():
+    """Fail a test that runs longer than TIME_LIMIT_S (SIGALRM raises in the main thread)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"test ran over {TIME_LIMIT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(TIME_LIMIT_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """A local Ray cluster for the whole session; its GCS address (drivers in subprocesses connect to it)."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(num_cpus=2, object_store_memory=2e8, include_dashboard=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pipeline_home(tiny_model, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIPELINE_HOME", str(tmp_path_factory.mktemp("pipeline-home")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("input") / "prompts.parquet"
+    text = [f"Item {i}: " + " ".join(["tell me more"] * (1 + i % 5)) for i in range(ROWS)]
+    pq.write_table(pa.table({"id": [f"row-{i:02d}" for i in range(ROWS)], "prompt": text}), path)
+    return path
+
+
+def job_dict(model: Path, prompts: Path, out: Path, executor: str = "ray", batch_size: int = 1) -> dict:
+    return {
+        "model": str(model),
+        "input": {"path": str(prompts), "id_column": "id"},
+        "generation": {"max_tokens": 16, "temperature": 0.8, "seed": 1234},
+        "engine": {"batch_size": batch_size},
+        "output": {"dir": str(out), "shard_size": 8},
+        "executor": executor,
+        "ray": {"actors": 2, "unit_rows": UNIT},
+    }
+
+
+@pytest.fixture(scope="module")
+def local_rows(tmp_path_factory, tiny_model, prompts):
+    """``local_rows(batch_size)``: the committed rows of a local run of the job, by key (once per size)."""
+    done = {}
+
+    def get(batch_size: int = 1) -> dict:
+        if batch_size not in done:
+            out = tmp_path_factory.mktemp(f"local-b{batch_size}") / "out"
+            job = job_from_dict(job_dict(tiny_model, prompts, out, "local", batch_size))
+            assert run_job(job, progress=False, echo=lambda _: None).complete
+            done[batch_size] = committed(out)
+        return done[batch_size]
+
+    return get
+
+
+def committed(out: Path) -> dict[tuple, dict]:
+    """The committed rows (COMPARED columns) by ``(id, sample_index)``, read shard by shard as the manifest
+    lists them; asserts each shard holds the rows the manifest says and no key appears twice."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    rows = {}
+    for s in manifest["shards"]:
+        table = pq.read_table(out / s["file"])
+        assert table.num_rows == s["rows"], s
+        for r in table.select(COMPARED).to_pylist():
+            key = (r["id"], r["sample_index"])
+            assert key not in rows, f"duplicate row {key}"
+            rows[key] = r
+    assert len(rows) == manifest["rows"]
+    return rows
+
+
+def assert_clean(out: Path) -> None:
+    """The job is complete and the directory holds exactly the committed shards and the manifest."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True
+    assert sorted(p.name for p in out.iterdir()) == sorted([s["file"] for s in manifest["shards"]] + ["manifest.json"])
+
+
+@pytest.mark.parametrize("batch_size", [1, 4], ids=["sequential", "batched"])
+def test_two_actors_give_the_rows_of_a_local_run(ray_address, tiny_model, prompts, local_rows, tmp_path, batch_size):
+    out = tmp_path / "out"
+    summary = run_job(job_from_dict(job_dict(tiny_model, prompts, out, batch_size=batch_size)), progress=False,
+                      echo=lambda _: None)
+    assert summary.complete and summary.rows_written == ROWS
+    assert len(summary.workers) == 2
+    assert committed(out) == local_rows(batch_size)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] != [] and all(s["file"].startswith("unit-") for s in manifest["shards"])
+    assert manifest["plan"]["units"] == {}  # every planned unit committed
+    assert_clean(out)
+
+
+def test_an_actor_that_dies_mid_unit_costs_no_row(ray_address, tiny_model, prompts, local_rows, tmp_path,
+                                                  monkeypatch):
+    out, marker = tmp_path / "out", tmp_path / "crashed"
+    monkeypatch.setenv("PIPELINE_TEST_CRASH_UNIT", f"unit-00003.parquet:{marker}")
+    summary = run_job(job_from_dict(job_dict(tiny_model, prompts, out)), progress=False, echo=lambda _: None)
+    assert marker.exists(), "the actor did not reach the crash point"
+    assert summary.complete and summary.rows_written == ROWS
+    assert len(summary.workers) == 3, summary.workers  # two actors, then the one Ray started in place of the dead one
+    assert committed(out) == local_rows()
+    assert_clean(out)
+
+
+def test_driver_sigkilled_mid_run_resumes_from_the_manifest(ray_address, tiny_model, prompts, tmp_path):
+    out = tmp_path / "out"
+    job = tmp_path / "job.yaml"
+    spec = job_dict(tiny_model, prompts, out)
+    spec["generation"]["max_tokens"] = 48  # long enough to kill it mid-run
+    job.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    cmd = [str(Path(sys.executable).with_name("pipeline")), "run", str(job), "--ray", ray_address, "--no-progress"]
+
+    def rows_committed() -> int:
+        try:
+            return json.loads((out / "manifest.json").read_text())["rows"]
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while rows_committed() < 2 * UNIT:
+        assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.communicate()}"
+        time.sleep(0.005)
+    proc.kill()
+    proc.communicate(timeout=60)
+    before = committed(out)
+    assert 2 * UNIT <= len(before) < ROWS, "the run was not killed mid-run"
+    local = {**spec, "executor": "local", "output": {**spec["output"], "dir": str(tmp_path / "local")}}
+    assert run_job(job_from_dict(local), progress=False, echo=lambda _: None).complete
+    reference = committed(tmp_path / "local")
+    assert all(before[k] == reference[k] for k in before)
+
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIME_LIMIT_S, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    earlier = int(re.search(r"(\d+) from earlier runs", done.stdout).group(1))
+    assert earlier >= len(before)  # more if a unit in flight at the kill had renamed its shard (adopted)
+    assert f"{ROWS - earlier} rows written" in done.stdout
+    assert committed(out) == reference
+    assert_clean(out)
+
+
+def test_a_unit_shard_written_but_not_committed_is_adopted(ray_address, tiny_model, prompts, local_rows, tmp_path):
+    """As if the driver died after two units were renamed into place and before they were committed: one
+    shard is whole, one was damaged since; a third, unplanned, name is left over too. The next run adopts the
+    whole one, removes the other two, and generates only the damaged unit's rows."""
+    out = tmp_path / "out"
+    job = job_from_dict(job_dict(tiny_model, prompts, out))
+    assert run_job(job, progress=False, echo=lambda _: None).complete
+    manifest = json.loads((out / "manifest.json").read_text())
+    whole, damaged = manifest["shards"][-2:]
+    manifest["shards"] = manifest["shards"][:-2]
+    manifest["rows"] -= whole["rows"] + damaged["rows"]
+    plan = {}
+    for s in (whole, damaged):
+        t = pq.read_table(out / s["file"], columns=["id", "sample_index"])
+        plan[s["file"]] = {"rows": t.num_rows, "keys": keys_digest(zip(*(t.column(c).to_pylist() for c in t.column_names)))}
+    manifest["plan"] = {"unit_rows": UNIT, "units": plan}
+    manifest["complete"] = False
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    data = (out / damaged["file"]).read_bytes()
+    (out / damaged["file"]).write_bytes(data[: len(data) // 2])
+    (out / "unit-09999.parquet").write_bytes((out / whole["file"]).read_bytes())
+
+    said = []
+    summary = run_job(job, progress=False, echo=said.append)
+    assert any("adopted 1 complete unit shard" in line and whole["file"] in line for line in said), said
+    assert any("removed 2 uncommitted shard file(s)" in line for line in said), said
+    assert summary.rows_skipped == ROWS - damaged["rows"] and summary.rows_written == damaged["rows"]
+    assert committed(out) == local_rows()
+    assert_clean(out)
+
+
+def test_executor_ray_without_ray_is_one_error_line(tmp_path, tiny_model, prompts, monkeypatch):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tiny_model, prompts, tmp_path / "out")), encoding="utf-8")
+    result = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
+    assert result.exit_code == 1
+    assert result.stderr == "error: executor: ray needs Ray Data: pip install 'pipeline[ray]'\n"
+    assert not (tmp_path / "out").exists()
