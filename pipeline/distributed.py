@@ -129,8 +129,11 @@ def connect(ray, address: str | None) -> bool:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
                  configure_logging=True)
     except ConnectionError as e:
-        hint = ("start one with `ray start --head`, or run with --ray local (ray.address: local) to start one "
-                "for this run") if address == "auto" else "check ray.address / --ray"
+        if address == "auto":
+            hint = "start one with `ray start --head`, or use --ray local (ray.address: local) to start one for this run"
+        else:
+            hint = ("check ray.address / --ray; a cluster with token authentication (Ray 2.60's default) also needs "
+                    "RAY_AUTH_MODE=token in the driver's environment")
         raise DistributedError(f"ray.address {address!r}: cannot connect to a Ray cluster ({e}); {hint}") from None
     return True
 
@@ -360,7 +363,8 @@ def run_units(job: JobSpec, store: ShardStore, model_path: Path, id_type, planne
         units = [pending[i:i + unit_rows] for i in range(0, len(pending), unit_rows)]
         names = store.plan_units([[(row.id, k) for row, k, _ in u] for u in units], unit_rows)
         keys = {n: {(row.id, k) for row, k, _ in u} for n, u in zip(names, units)}
-        echo(f"ray: {len(units)} unit(s) of up to {unit_rows} rows on {res.actors} actor(s) "
+        actors = min(res.actors, len(units))
+        echo(f"ray: {len(units)} unit(s) of up to {unit_rows} rows on {actors} actor(s) "
              f"({res.num_cpus:g} CPU, {res.num_gpus:g} GPU, {res.threads} thread(s) each)")
         remote = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "runtime_env": {"env_vars": actor_env(res)}}
         job_dict = job.to_dict()
@@ -373,7 +377,7 @@ def run_units(job: JobSpec, store: ShardStore, model_path: Path, id_type, planne
                                  override_num_blocks=len(units))
         ds = ds.map_batches(
             _UnitWorker, batch_size=1, batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=min(res.actors, len(units)), max_tasks_in_flight_per_actor=1),
+            compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
             fn_constructor_kwargs={"job": job_dict, "model_path": str(model_path), "out_dir": str(out_dir),
                                    "id_type": str(id_type), "positions": positions},
             **remote)
