@@ -77,7 +77,7 @@ def test_output_schema_is_explicit_and_flat(full_run):
         "ttft_s": pa.float64(), "prefill_tps": pa.float64(), "decode_tps": pa.float64(), "total_s": pa.float64(),
         "peak_memory_bytes": pa.int64(), "compiled": pa.bool_(), "seed": pa.int64(), "error": pa.string(),
         "logprobs": pa.list_(pa.float32()), "top_token_ids": pa.list_(pa.list_(pa.int32())),
-        "top_logprobs": pa.list_(pa.list_(pa.float32())),
+        "top_logprobs": pa.list_(pa.list_(pa.float32())), "batch_size": pa.int32(),
     }
     assert {f.name: f.type for f in schema} == expected
 
