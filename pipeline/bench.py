@@ -129,15 +129,16 @@ def parse_cache_kind(text: str) -> dict:
 
 
 def engine_features() -> dict:
-    """What this checkout's ``Engine`` takes: ``compile`` (compiled vs eager decode) and ``cache_spec``
-    (with ``pipeline.jobspec.CacheSpec``)."""
+    """What this checkout's ``Engine`` takes: ``compile`` (compiled vs eager decode), ``fused`` (the fused
+    CUDA step) and ``cache_spec`` (with ``pipeline.jobspec.CacheSpec``)."""
     params = inspect.signature(Engine.__init__).parameters
     try:
         from .jobspec import CacheSpec  # noqa: F401
         has_spec = True
     except ImportError:
         has_spec = False
-    return {"compile": "compile" in params, "cache_spec": "cache_spec" in params and has_spec}
+    return {"compile": "compile" in params, "fused": "fused" in params,
+            "cache_spec": "cache_spec" in params and has_spec}
 
 
 def _cache_spec(kind: dict):
@@ -316,7 +317,8 @@ def _summary(trials: list[dict]) -> dict:
 def _gen_record(gen) -> dict:
     return {"ttft_s": gen.ttft_s, "prefill_tps": gen.prefill_tps, "decode_tps": gen.decode_tps,
             "total_s": gen.total_s, "generated_tokens": len(gen.token_ids),
-            "peak_memory_bytes": gen.peak_memory_bytes, "compiled": getattr(gen, "compiled", None)}
+            "peak_memory_bytes": gen.peak_memory_bytes, "compiled": getattr(gen, "compiled", None),
+            "fused": getattr(gen, "fused", None)}
 
 
 def _peer_generate(ref, prompt: list[int], max_tokens: int, kind: dict, prefill_step_size: int) -> dict:
@@ -432,8 +434,8 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
         raise BenchError("trials, max_tokens and every prompt length must be >= 1")
     kinds = [parse_cache_kind(c) for c in caches]
     for v in variants:
-        if v not in ("eager", "compiled"):
-            raise BenchError(f"unknown variant {v!r} (eager, compiled)")
+        if v not in ("eager", "compiled", "fused"):
+            raise BenchError(f"unknown variant {v!r} (eager, compiled, fused)")
     features = engine_features()
     dtype = compute_dtype("auto")
     notes: list[str] = []
@@ -470,6 +472,11 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
             kwargs = {"prefill_step_size": prefill_step_size}
             if features["compile"]:
                 kwargs["compile"] = variant == "compiled"
+            if features["fused"]:
+                kwargs["fused"] = variant == "fused"
+            elif variant == "fused":
+                skipped.append({"impl": "pipeline", "variant": variant, "reason": "this Engine has no fused option"})
+                continue
             try:
                 if features["cache_spec"]:
                     kwargs["cache_spec"] = _cache_spec(kind)
@@ -487,6 +494,10 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                     skipped.append({**row, "reason": f"{type(e).__name__}: {e}"})
                     continue
                 row["compiled"] = row["trials"][-1]["compiled"]
+                row["fused"] = row["trials"][-1].get("fused")
+                if variant == "fused" and not row["fused"]:
+                    skipped.append({**row, "reason": "the fused step is not available for this model or machine"})
+                    continue
                 row["closure_count"] = getattr(engine, "closure_count", None)
                 row["trace_count_after_warmup"] = row.pop("after_warmup")
                 row["trace_count"] = getattr(engine, "trace_count", None)

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from .cache import KVCache, make_caches
 from .compiled import ClosureSet, decode_blocker, head, layer_capacity, layer_kind, put_head
+from .fused import FusedDecoder, fused_blocker
 from .sampler import SamplerKind, sample_step, sampler_consts, sampler_state
 from .stops import StopChecker, final_text
 
@@ -81,6 +82,7 @@ class Generation:
         total_s: seconds for the whole request.
         peak_memory_bytes: MLX peak memory during the request, in bytes.
         compiled: whether decode ran through the compiled closure set.
+        fused: whether decode ran through the fused CUDA step (``pipeline.fused``).
         logprobs: natural-log probability of each id of ``token_ids`` (None unless requested).
         top_token_ids: per generated token, the ``logprobs`` most likely ids, most likely first.
         top_logprobs: their log probabilities.
@@ -96,6 +98,7 @@ class Generation:
     total_s: float
     peak_memory_bytes: int
     compiled: bool = False
+    fused: bool = False
     text: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[float] | None = None
@@ -136,6 +139,8 @@ class Engine:
         cache_spec: a ``pipeline.jobspec.CacheSpec`` (max_kv_size, kv_bits, ...), or None for the
             model's own layout.
         compile: decode through compiled closures: True, False, or "auto" (``compile_by_default``).
+        fused: decode through ``pipeline.fused.FusedDecoder`` (five custom CUDA kernels per layer) when
+            ``fused_blocker`` allows it: "auto" or True (tried first, before ``compile``), or False.
         tokenizer: a ``pipeline.tokenizer.Tokenizer`` for completion text and stop strings (None:
             token ids only).
 
@@ -144,7 +149,7 @@ class Engine:
     """
 
     def __init__(self, model, eos_token_ids, context_length: int, prefill_step_size: int = 512,
-                 cache_spec=None, compile: bool | str = True, tokenizer=None):
+                 cache_spec=None, compile: bool | str = True, tokenizer=None, fused: bool | str = "auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -155,6 +160,10 @@ class Engine:
         self.compile = compile_by_default(self.cache) if compile == "auto" else compile
         self.closures = ClosureSet(model)
         self._logged: set[str] = set()
+        reason = fused_blocker(model, self.cache) if fused else "off"
+        self.fused = FusedDecoder(model) if reason is None else None
+        if fused is True and reason is not None:
+            self._note(f"no fused step ({reason})")
 
     @property
     def closure_count(self) -> int:
@@ -272,7 +281,19 @@ class Engine:
             return y_next, ex
 
         finish_compiled = None
-        if self.compile and max_tokens > 1:
+        fused = self.fused is not None and max_tokens > 1
+        if fused:
+            self.fused.prepare(self.cache, n_prompt + max_tokens)
+            at = {"pos": mx.array([n_prompt], dtype=mx.int32), "n": n_prompt}
+
+            def advance(y):  # noqa: F811 - the fused step replaces the model call
+                nonlocal state
+                logits = self.fused.step(y, at["pos"], at["n"], self.cache)
+                at["pos"], at["n"] = at["pos"] + 1, at["n"] + 1
+                y_next, state, ex = sample_step(kind, logits, consts, state)
+                return y_next, ex
+
+        elif self.compile and max_tokens > 1:
             compiled = self._compiled_stepper(n_prompt, max_tokens, kind, consts, state)
             if compiled is not None:
                 step, finish_compiled, closure_key = compiled
@@ -321,6 +342,9 @@ class Engine:
             y, extras = y_next, ex_next
         if finish_compiled is not None:
             finish_compiled(n_steps)
+        if fused:  # the fused step wrote n_steps slots of every cache in place
+            for c in self.cache:
+                c.offset += n_steps
         t_end = time.perf_counter()
         gen = Generation(
             token_ids=tokens,
@@ -333,6 +357,7 @@ class Engine:
             total_s=0.0,
             peak_memory_bytes=int(mx.get_peak_memory()),
             compiled=finish_compiled is not None,
+            fused=fused,
             stop_reason=stop_reason,
         )
         n_decoded = len(tokens) + (stop_id is not None) - 1

@@ -1,0 +1,538 @@
+"""Fused single-token decode step for MLX's CUDA backend (batch 1, Llama and Qwen2 families).
+
+Why: on an NVIDIA H200 (mlx 0.32.4) batch-1 decode of a small model is bound by the host, not the GPU:
+MLX launches one kernel per primitive (~550 per token for SmolLM2-135M, ~7 us of host time each) while
+the GPU is busy 1.5 of 4 ms per token (docs/BENCHMARKS.md). ``mx.compile`` does not merge them. This
+module runs a decoder layer as five custom kernels (``mx.fast.cuda_kernel``) instead of ~18:
+
+1. ``qkv``: RMSNorm of the hidden state, the fused q/k/v projection, bias, RoPE, and the new key and
+   value written into slot ``pos`` of the layer's cache buffers (in place);
+2. ``attn``: attention of the query over cache slots ``0..pos`` (split over 128-key chunks; the last
+   chunk of each head to finish combines the partial softmaxes, as in flash-decoding);
+3. ``o_proj`` + residual add;
+4. RMSNorm + the fused gate/up projection + SiLU(gate) * up;
+5. ``down_proj`` + residual add;
+
+plus one kernel for the token's embedding row and one for the final norm + vocab projection. Every
+projection is a warp-per-row GEMV over MLX's affine-quantized layout (``w`` uint32 words holding
+``32 / bits`` values, low bits first; ``value = scale * q + bias`` per ``group_size`` values; see
+``mx.quantize``) or over dense weights, accumulating in float32 and rounding to the compute dtype
+where MLX's own ops round (after each projection, the norm, SiLU, the residual add), so results match
+the unfused model to rounding (``tests/test_fused_gpu.py`` checks them on a GPU).
+
+The per-step state (the position) is an ``mx.array`` input, never a Python int, so no kernel is
+rebuilt per step; the kernels are compiled once per shape by NVRTC and cached by MLX.
+
+Only the CUDA backend runs these kernels; ``fused_blocker`` says why a model or cache layout cannot
+(the engine then decodes as before, so Apple GPUs and CPUs keep the unfused path).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import KVCache
+
+ATTN_CHUNK = 128  # keys per attention block (one thread per key)
+ROWS_PER_BLOCK = 8  # warps (one output row, or row pair, per warp) per GEMV block of 256 threads
+MAX_SMEM_BYTES = 48 * 1024  # static shared memory limit per block (CUDA)
+
+_HEADER = r"""
+#define PL_FULL 0xffffffffu
+#define PL_NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float pl_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(PL_FULL, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float pl_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(PL_FULL, v, o));
+  return v;
+}
+
+// Sum over the block (NT threads, a multiple of 32); every thread gets the total.
+template <int NT>
+__device__ __forceinline__ float pl_block_sum(float v, float* red) {
+  v = pl_warp_sum(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = ((threadIdx.x & 31) < NT / 32) ? red[threadIdx.x & 31] : 0.f;
+  return pl_warp_sum(t);
+}
+
+template <int NT>
+__device__ __forceinline__ float pl_block_max(float v, float* red) {
+  v = pl_warp_max(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = ((threadIdx.x & 31) < NT / 32) ? red[threadIdx.x & 31] : PL_NEG_INF;
+  return pl_warp_max(t);
+}
+
+// x (K values) into shared memory, through RMSNorm when NORM: y = w * T(x * rsqrt(mean(x^2) + eps))
+// (MLX's rms_norm rounding: the normalized value is rounded to T, then multiplied by the weight in T).
+template <typename T, int K, int NT, bool NORM>
+__device__ __forceinline__ void pl_load_x(const T* x, const T* nw, float eps, T* xs, float* red) {
+  if (NORM) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < K; i += NT) {
+      float v = static_cast<float>(x[i]);
+      ss += v * v;
+    }
+    float r = rsqrtf(pl_block_sum<NT>(ss, red) / K + eps);
+    for (int i = threadIdx.x; i < K; i += NT) {
+      T y = static_cast<T>(static_cast<float>(x[i]) * r);
+      xs[i] = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(y));
+    }
+  } else {
+    for (int i = threadIdx.x; i < K; i += NT) xs[i] = x[i];
+  }
+  __syncthreads();
+}
+
+// Dot product of weight row `row` with xs (K values in shared memory), summed over the warp.
+// BITS 4 or 8: MLX affine quantization (uint32 words, 32/BITS values each, low bits first;
+// value = scale * q + bias per GS values). BITS 0: dense weights of type T.
+// Each lane reads 16-byte chunks of the row; a chunk never straddles a quantization group.
+template <typename T, int BITS, int GS, int K>
+__device__ __forceinline__ float pl_row_dot(const uint32_t* wq, const T* wd, const T* sc, const T* bi,
+                                            int row, const T* xs, int lane) {
+  float acc = 0.f;
+  if constexpr (BITS == 0) {
+    constexpr int VALS = 16 / sizeof(T);
+    constexpr int CH = K / VALS;
+    const uint4* w4 = reinterpret_cast<const uint4*>(wd + (size_t)row * K);
+#pragma unroll 4
+    for (int c = lane; c < CH; c += 32) {
+      uint4 v = w4[c];
+      const T* wv = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int j = 0; j < VALS; j++) acc += static_cast<float>(wv[j]) * static_cast<float>(xs[c * VALS + j]);
+    }
+  } else {
+    constexpr int PER = 32 / BITS;
+    constexpr int VALS = 4 * PER;
+    constexpr int CH = K / VALS;
+    constexpr int NG = K / GS;
+    const uint4* w4 = reinterpret_cast<const uint4*>(wq + (size_t)row * (K / PER));
+    const T* s_row = sc + (size_t)row * NG;
+    const T* b_row = bi + (size_t)row * NG;
+#pragma unroll 4
+    for (int c = lane; c < CH; c += 32) {
+      uint4 v = w4[c];
+      const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+      const int k0 = c * VALS;
+      const float s = static_cast<float>(s_row[k0 / GS]);
+      const float b = static_cast<float>(b_row[k0 / GS]);
+      float qx = 0.f, sx = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+          const float xv = static_cast<float>(xs[k0 + i * PER + j]);
+          qx += static_cast<float>((ws[i] >> (BITS * j)) & ((1u << BITS) - 1u)) * xv;
+          sx += xv;
+        }
+      }
+      acc += s * qx + b * sx;
+    }
+  }
+  return pl_warp_sum(acc);
+}
+"""
+
+
+class Proj:
+    """One projection's weights as the kernels read them: ``bits`` 0 (dense), 4 or 8."""
+
+    def __init__(self, layer: nn.Module):
+        self.bias = layer.get("bias") if isinstance(layer, nn.Module) else None
+        if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            self.bits, self.group_size = layer.bits, layer.group_size
+            self.arrays = [layer.weight, layer.scales, layer.biases]
+            self.out_dim = layer.weight.shape[0]
+            self.in_dim = layer.weight.shape[1] * 32 // layer.bits
+        else:
+            self.bits, self.group_size = 0, 1
+            self.arrays = [layer.weight]
+            self.out_dim, self.in_dim = layer.weight.shape
+
+    def problem(self, dtype: mx.Dtype) -> str | None:
+        """Why the GEMV cannot read these weights, or None."""
+        if self.bits not in (0, 4, 8):
+            return f"{self.bits}-bit weights"
+        if self.bits and (getattr(self.arrays[1], "dtype", None) != dtype or len(self.arrays) != 3
+                          or self.arrays[2] is None):
+            return "quantized weights without affine scales/biases of the compute dtype"
+        if not self.bits and self.arrays[0].dtype != dtype:
+            return f"dense weights of {self.arrays[0].dtype}, compute dtype {dtype}"
+        vals = 128 // self.bits if self.bits else 16 // dtype.size
+        if self.in_dim % vals or (self.bits and self.group_size % vals):
+            return f"input size {self.in_dim} / group size {self.group_size} not a multiple of {vals}"
+        if self.in_dim * dtype.size > MAX_SMEM_BYTES - 1024:
+            return f"input size {self.in_dim} too large for one block's shared memory"
+        return None
+
+    def names(self, p: str) -> list[str]:
+        return [f"{p}w", f"{p}s", f"{p}b"] if self.bits else [f"{p}w"]
+
+    def dot(self, p: str, row: str) -> str:
+        """CUDA expression: the warp's dot product of row ``row`` with ``xs``."""
+        if self.bits:
+            return (f"pl_row_dot<T, {self.bits}, {self.group_size}, {self.in_dim}>"
+                    f"({p}w, (const T*)nullptr, {p}s, {p}b, {row}, xs, lane)")
+        return (f"pl_row_dot<T, 0, 1, {self.in_dim}>((const uint32_t*)nullptr, {p}w, "
+                f"(const T*)nullptr, (const T*)nullptr, {row}, xs, lane)")
+
+
+def _rope_table(rope: nn.Module, head_dim: int) -> tuple[mx.array, float, bool]:
+    """``(inverse frequencies (head_dim/2,) float32, position scale, traditional)`` of a RoPE module
+    (``nn.RoPE``: ``base ** (-2j / dims)``, positions times ``scale``; ``Llama3RoPE``: ``1 / freqs``)."""
+    if rope.dims != head_dim:
+        raise ValueError("partial RoPE")
+    freqs = getattr(rope, "_freqs", None)
+    if freqs is not None:
+        return (1.0 / freqs.astype(mx.float32)).astype(mx.float32), 1.0, rope.traditional
+    j = mx.arange(0, head_dim, 2, dtype=mx.float32)
+    inv = mx.power(mx.array(rope.base, mx.float32), -j / head_dim)
+    return inv.astype(mx.float32), float(rope.scale), rope.traditional
+
+
+def _f(x: float) -> str:
+    return repr(float(x)) + "f"
+
+
+class FusedDecoder:
+    """The fused decode step of one model (see the module docstring).
+
+    ``step(token, pos, n_ctx, caches)``: ``token`` ``(1,)`` integer array, ``pos`` ``(1,)`` int32 array
+    (the token's position = slots already in the caches), ``n_ctx`` the same position as a host int
+    (sizes the attention grid) -> logits ``(1, vocab)`` in the compute dtype. Writes the token's keys
+    and values into slot ``pos`` of each ``KVCache`` buffer in place: the buffers must be materialized,
+    row-contiguous and at least ``pos + 1`` slots long (``prepare``).
+
+    Raises:
+        ValueError (constructor): the model is not supported (``fused_blocker`` gives the reason).
+    """
+
+    def __init__(self, model):
+        reason = model_blocker(model)
+        if reason:
+            raise ValueError(reason)
+        args = model.args
+        inner = model.model
+        self.dtype = inner.norm.weight.dtype
+        self.hidden = args.hidden_size
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        attn0 = inner.layers[0].self_attn
+        self.head_dim = attn0.head_dim
+        self.scale = attn0.scale
+        self.eps = args.rms_norm_eps
+        self.embed = Proj(inner.embed_tokens)
+        self.head = Proj(model.lm_head) if "lm_head" in model else self.embed
+        self.final_norm = inner.norm.weight
+        self.layers = []
+        for layer in inner.layers:
+            a, m = layer.self_attn, layer.mlp
+            inv, pscale, trad = _rope_table(a.rope, self.head_dim)
+            self.layers.append({
+                "in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "qkv": Proj(a.qkv_proj), "o": Proj(a.o_proj), "gu": Proj(m.gate_up_proj), "down": Proj(m.down_proj),
+                "inv_freq": inv, "pos_scale": pscale, "traditional": trad,
+            })
+        mx.eval([lay["inv_freq"] for lay in self.layers])
+        self.intermediate = self.layers[0]["gu"].out_dim // 2
+        self._kernels: dict = {}
+        self._scratch = None
+        self._counts = mx.zeros((self.n_heads,), mx.int32)
+
+    # -- kernels --------------------------------------------------------------------------------------
+
+    def _kernel(self, key, make):
+        k = self._kernels.get(key)
+        if k is None:
+            k = self._kernels[key] = make()
+        return k
+
+    def _qkv_kernel(self, qkv: Proj, trad: bool, pscale: float):
+        H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
+        has_bias = qkv.bias is not None
+
+        def make():
+            pairs = (H + 2 * KVH) * D // 2
+            src = f"""
+  constexpr int K = {self.hidden}, NT = 256, D = {D}, H = {H}, KVH = {KVH};
+  __shared__ T xs[K];
+  __shared__ float red[32];
+  pl_load_x<T, K, NT, true>(x, nw, {_f(self.eps)}, xs, red);
+  const int lane = threadIdx.x & 31;
+  const int p = blockIdx.x * (NT / 32) + (threadIdx.x >> 5);
+  if (p >= {pairs}) return;
+  const int head = p / (D / 2), j = p % (D / 2);
+  const int r0 = head * D + ({int(trad)} ? 2 * j : j);
+  const int r1 = r0 + ({int(trad)} ? 1 : D / 2);
+  const float a0 = {qkv.dot("", "r0")};
+  const float a1 = {qkv.dot("", "r1")};
+  if (lane != 0) return;
+  float y0 = static_cast<float>(static_cast<T>(a0)), y1 = static_cast<float>(static_cast<T>(a1));
+  {"y0 = static_cast<float>(static_cast<T>(y0 + static_cast<float>(bias[r0])));" if has_bias else ""}
+  {"y1 = static_cast<float>(static_cast<T>(y1 + static_cast<float>(bias[r1])));" if has_bias else ""}
+  const int ps = pos[0];
+  T o0, o1;
+  if (head < H + KVH) {{
+    const float th = static_cast<float>(ps) * {_f(pscale)} * inv_freq[j];
+    const float c = cosf(th), s = sinf(th);
+    o0 = static_cast<T>(y0 * c - y1 * s);
+    o1 = static_cast<T>(y0 * s + y1 * c);
+  }} else {{
+    o0 = static_cast<T>(y0);
+    o1 = static_cast<T>(y1);
+  }}
+  if (head < H) {{
+    q[r0] = o0;
+    q[r1] = o1;
+  }} else {{
+    const int kv = head - H;
+    T* dst = const_cast<T*>(kv < KVH ? kc : vc);
+    const int hh = kv < KVH ? kv : kv - KVH;
+    const size_t base = ((size_t)hh * kc_shape[2] + ps) * D;
+    dst[base + (r0 - head * D)] = o0;
+    dst[base + (r1 - head * D)] = o1;
+  }}
+"""
+            names = ["x", "nw", *qkv.names(""), *(["bias"] if has_bias else []), "inv_freq", "pos", "kc", "vc"]
+            return mx.fast.cuda_kernel(name="pl_qkv", input_names=names, output_names=["q"], source=src,
+                                       header=_HEADER), pairs
+
+        return self._kernel(("qkv", qkv.bits, qkv.group_size, qkv.in_dim, qkv.out_dim, trad, pscale, has_bias), make)
+
+    def _attn_kernel(self):
+        H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
+
+        def make():
+            src = f"""
+  constexpr int D = {D}, CH = {ATTN_CHUNK}, NT = {ATTN_CHUNK}, G = {H // KVH}, VEC = 16 / sizeof(T);
+  __shared__ float qs[D];
+  __shared__ float pr[CH];
+  __shared__ float red[32];
+  __shared__ int last;
+  const int h = blockIdx.y, s = blockIdx.x, NS = gridDim.x, t = threadIdx.x;
+  const int L = pos[0] + 1;
+  const size_t cap = kc_shape[2];
+  const int kvh = h / G;
+  for (int d = t; d < D; d += NT) qs[d] = static_cast<float>(q[h * D + d]) * {_f(self.scale)};
+  __syncthreads();
+  const int k = s * CH + t;
+  float sc = PL_NEG_INF;
+  if (k < L) {{
+    const T* kr = kc + ((size_t)kvh * cap + k) * D;
+    float acc = 0.f;
+#pragma unroll
+    for (int d = 0; d < D; d += VEC) {{
+      uint4 v = *reinterpret_cast<const uint4*>(kr + d);
+      const T* kv = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int i = 0; i < VEC; i++) acc += qs[d + i] * static_cast<float>(kv[i]);
+    }}
+    sc = acc;
+  }}
+  const float m = pl_block_max<NT>(sc, red);
+  const float e = (k < L) ? expf(sc - m) : 0.f;
+  pr[t] = e;
+  const float l = pl_block_sum<NT>(e, red);
+  const int kend = min(CH, L - s * CH);
+  float* part = const_cast<float*>(scratch) + ((size_t)h * NS + s) * (D + 2);
+  for (int d = t; d < D; d += NT) {{
+    const T* vr = vc + ((size_t)kvh * cap + (size_t)s * CH) * D + d;
+    float acc = 0.f;
+    for (int i = 0; i < kend; i++) acc += pr[i] * static_cast<float>(vr[(size_t)i * D]);
+    if (NS == 1) o[h * D + d] = static_cast<T>(acc / l);
+    else part[2 + d] = acc;
+  }}
+  if (NS == 1) return;
+  if (t == 0) {{
+    part[0] = m;
+    part[1] = l;
+  }}
+  __threadfence();
+  __syncthreads();
+  if (t == 0) last = (atomicAdd(const_cast<int*>(counts) + h, 1) == NS - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const float* base = scratch + (size_t)h * NS * (D + 2);
+  float M = PL_NEG_INF;
+  for (int i = 0; i < NS; i++) M = fmaxf(M, __ldcg(base + (size_t)i * (D + 2)));
+  float den = 0.f;
+  for (int i = 0; i < NS; i++) den += __ldcg(base + (size_t)i * (D + 2) + 1) * expf(__ldcg(base + (size_t)i * (D + 2)) - M);
+  for (int d = t; d < D; d += NT) {{
+    float num = 0.f;
+    for (int i = 0; i < NS; i++)
+      num += __ldcg(base + (size_t)i * (D + 2) + 2 + d) * expf(__ldcg(base + (size_t)i * (D + 2)) - M);
+    o[h * D + d] = static_cast<T>(num / den);
+  }}
+  if (t == 0) const_cast<int*>(counts)[h] = 0;
+"""
+            return mx.fast.cuda_kernel(name="pl_attn", input_names=["q", "kc", "vc", "pos", "scratch", "counts"],
+                                       output_names=["o"], source=src, header=_HEADER)
+
+        return self._kernel(("attn",), make)
+
+    def _gemv_kernel(self, proj: Proj, mode: str):
+        """mode "residual": out = T(T(W x) + r); "norm": out = T(W rmsnorm(x)); "swiglu": out[i] =
+        silu(T(W x)[i]) * T(W x)[i + n] with MLX's rounding after each op."""
+
+        def make():
+            norm = mode in ("norm", "swiglu")
+            n_out = proj.out_dim // 2 if mode == "swiglu" else proj.out_dim
+            if mode == "swiglu":
+                body = f"""
+  const float g = {proj.dot("", "p")};
+  const float u = {proj.dot("", f"p + {n_out}")};
+  if (lane != 0) return;
+  const T gt = static_cast<T>(g);
+  const float gf = static_cast<float>(gt);
+  const T sg = static_cast<T>(1.f / (1.f + expf(-gf)));
+  const T sl = static_cast<T>(gf * static_cast<float>(sg));
+  out[p] = static_cast<T>(static_cast<float>(sl) * static_cast<float>(static_cast<T>(u)));
+"""
+            elif mode == "residual":
+                body = f"""
+  const float a = {proj.dot("", "p")};
+  if (lane != 0) return;
+  out[p] = static_cast<T>(static_cast<float>(static_cast<T>(a)) + static_cast<float>(r[p]));
+"""
+            else:
+                body = f"""
+  const float a = {proj.dot("", "p")};
+  if (lane != 0) return;
+  out[p] = static_cast<T>(a);
+"""
+            src = f"""
+  constexpr int K = {proj.in_dim}, NT = 256;
+  __shared__ T xs[K];
+  __shared__ float red[32];
+  pl_load_x<T, K, NT, {str(norm).lower()}>(x, {"nw" if norm else "x"}, {_f(self.eps)}, xs, red);
+  const int lane = threadIdx.x & 31;
+  const int p = blockIdx.x * (NT / 32) + (threadIdx.x >> 5);
+  if (p >= {n_out}) return;
+{body}"""
+            names = ["x", *(["nw"] if norm else []), *proj.names(""), *(["r"] if mode == "residual" else [])]
+            return mx.fast.cuda_kernel(name=f"pl_gemv_{mode}", input_names=names, output_names=["out"],
+                                       source=src, header=_HEADER), n_out
+
+        return self._kernel(("gemv", mode, proj.bits, proj.group_size, proj.in_dim, proj.out_dim), make)
+
+    def _embed_kernel(self):
+        e = self.embed
+
+        def make():
+            n = self.hidden
+            if e.bits:
+                per = 32 // e.bits
+                val = (f"static_cast<float>(s[(size_t)tok * {n // e.group_size} + i / {e.group_size}]) * "
+                       f"static_cast<float>((w[(size_t)tok * {n // per} + i / {per}] >> ({e.bits} * (i % {per}))) "
+                       f"& {(1 << e.bits) - 1}u) + "
+                       f"static_cast<float>(b[(size_t)tok * {n // e.group_size} + i / {e.group_size}])")
+            else:
+                val = f"static_cast<float>(w[(size_t)tok * {n} + i])"
+            src = f"""
+  const size_t tok = static_cast<size_t>(ids[0]);
+  for (int i = threadIdx.x; i < {n}; i += blockDim.x) out[i] = static_cast<T>({val});
+"""
+            return mx.fast.cuda_kernel(name="pl_embed", input_names=["ids", *e.names("")], output_names=["out"],
+                                       source=src, header=_HEADER)
+
+        return self._kernel(("embed",), make)
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def prepare(self, caches, n_positions: int) -> None:
+        """Make every cache buffer at least ``n_positions`` slots long, materialized, and size the
+        attention scratch (``n_heads * ceil(n_positions / 128) * (head_dim + 2)`` float32)."""
+        for c in caches:
+            c.reserve(n_positions)
+        mx.eval([c.state for c in caches])
+        splits = -(-n_positions // ATTN_CHUNK)
+        need = self.n_heads * splits * (self.head_dim + 2)
+        if self._scratch is None or self._scratch.size < need:
+            self._scratch = mx.zeros((need,), mx.float32)
+            mx.eval(self._scratch, self._counts)
+
+    def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
+        T = self.dtype
+        tmpl = [("T", T)]
+        H, D = self.n_heads, self.head_dim
+        e = self.embed
+        h = self._embed_kernel()(inputs=[token, *e.arrays], template=tmpl, grid=(256, 1, 1),
+                                 threadgroup=(256, 1, 1), output_shapes=[(self.hidden,)], output_dtypes=[T])[0]
+        splits = -(-(n_ctx + 1) // ATTN_CHUNK)
+        attn = self._attn_kernel()
+        for lay, c in zip(self.layers, caches):
+            qkv = lay["qkv"]
+            kern, pairs = self._qkv_kernel(qkv, lay["traditional"], lay["pos_scale"])
+            extra = [qkv.bias] if qkv.bias is not None else []
+            q = kern(inputs=[h, lay["in_norm"], *qkv.arrays, *extra, lay["inv_freq"], pos, c.keys, c.values],
+                     template=tmpl, grid=(-(-pairs // ROWS_PER_BLOCK) * 256, 1, 1), threadgroup=(256, 1, 1),
+                     output_shapes=[(H * D,)], output_dtypes=[T])[0]
+            o = attn(inputs=[q, c.keys, c.values, pos, self._scratch, self._counts], template=tmpl,
+                     grid=(splits * ATTN_CHUNK, H, 1), threadgroup=(ATTN_CHUNK, 1, 1),
+                     output_shapes=[(H * D,)], output_dtypes=[T])[0]
+            h = self._gemv(lay["o"], "residual", [o, *lay["o"].arrays, h])
+            a = self._gemv(lay["gu"], "swiglu", [h, lay["post_norm"], *lay["gu"].arrays])
+            h = self._gemv(lay["down"], "residual", [a, *lay["down"].arrays, h])
+        logits = self._gemv(self.head, "norm", [h, self.final_norm, *self.head.arrays])
+        return logits[None]
+
+    def _gemv(self, proj: Proj, mode: str, inputs: list) -> mx.array:
+        kern, n_out = self._gemv_kernel(proj, mode)
+        return kern(inputs=inputs, template=[("T", self.dtype)], grid=(-(-n_out // ROWS_PER_BLOCK) * 256, 1, 1),
+                    threadgroup=(256, 1, 1), output_shapes=[(n_out,)], output_dtypes=[self.dtype])[0]
+
+
+def model_blocker(model) -> str | None:
+    """Why ``FusedDecoder`` cannot run ``model``, or None."""
+    from .models import llama, qwen2
+
+    if type(model) not in (llama.Model, qwen2.Model):
+        return f"model family {type(model).__module__.rsplit('.', 1)[-1]} has no fused step"
+    inner = model.model
+    dtype = inner.norm.weight.dtype
+    if dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        return f"compute dtype {dtype}"
+    attn0 = inner.layers[0].self_attn
+    if attn0.head_dim % 8 or attn0.head_dim > 1024 or attn0.n_heads % attn0.n_kv_heads:
+        return f"head_dim {attn0.head_dim}"
+    projs = [Proj(inner.embed_tokens)] + ([Proj(model.lm_head)] if "lm_head" in model else [])
+    for layer in inner.layers:
+        a, m = layer.self_attn, layer.mlp
+        if "qkv_proj" not in a or "gate_up_proj" not in m:
+            return "q/k/v or gate/up projections are not fused (their weights differ in kind)"
+        if "bias" in m.down_proj or "bias" in a.o_proj or "bias" in m.gate_up_proj:
+            return "biased o/MLP projections"
+        if type(a.rope).__name__ not in ("RoPE", "Llama3RoPE") or a.rope.dims != attn0.head_dim:
+            return "RoPE variant"
+        projs += [Proj(a.qkv_proj), Proj(a.o_proj), Proj(m.gate_up_proj), Proj(m.down_proj)]
+    for p in projs:
+        why = p.problem(dtype)
+        if why:
+            return why
+    if projs[0].bits and projs[0].group_size > model.args.hidden_size:
+        return "embedding group size"
+    return None
+
+
+def fused_blocker(model, caches) -> str | None:
+    """Why the engine cannot decode ``model`` with these caches through ``FusedDecoder``, or None:
+    only MLX's CUDA backend, full (not rotating, not quantized) caches, and ``model_blocker``."""
+    if not mx.cuda.is_available() or mx.default_device() != mx.gpu:
+        return "not on MLX's CUDA backend"
+    if any(type(c) is not KVCache for c in caches):
+        return "rotating or quantized KV caches"
+    return model_blocker(model)

@@ -1,0 +1,142 @@
+"""The fused CUDA decode step (pipeline/fused.py) against the unfused model it replaces.
+
+Runs only where MLX's CUDA backend is available (the kernels are CUDA source); elsewhere the module is
+skipped and ``test_fused_blocker_*`` check that the engine does not pick the fused step.
+
+Reference: the same model's ordinary forward (MLX's quantized_matmul, rms_norm, rope and
+scaled_dot_product_attention — the ops mlx-lm's llama/qwen2 use) on an identical, separately prefilled
+cache. The fused kernels accumulate in float32 and round where MLX rounds, so logits agree to float16
+rounding noise; greedy tokens are compared only where the reference's top-2 margin is clear of it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from pipeline.bench import random_weights
+from pipeline.cache import KVCache, RotatingKVCache
+from pipeline.engine import Engine, GenerateParams
+from pipeline.fused import FusedDecoder, fused_blocker, model_blocker
+from pipeline.models import build_model, dequantize_model
+from pipeline.models.base import fuse_projections
+
+CUDA = mx.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="MLX CUDA backend not available")
+
+BASE = {
+    "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 3, "intermediate_size": 512,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+}
+
+
+def make_model(dtype=mx.float16, bits=4, group_size=64, dense=False, **overrides):
+    config = {**BASE, **overrides}
+    weights = random_weights(config, dtype, bits=bits, group_size=group_size, seed=1)
+    model = build_model(config, weights, dtype)
+    if dense:
+        dequantize_model(model, dtype)
+    fuse_projections(model)
+    return model
+
+
+def prefilled(model, prompt):
+    caches = model.make_cache()
+    logits = model(mx.array(prompt)[None], caches)[:, -1, :]
+    mx.eval(logits, [c.state for c in caches])
+    return caches, logits
+
+
+def compare_steps(model, prompt_len=37, steps=6, seed=0):
+    """Run ``steps`` decode steps through the fused decoder and the model; returns the worst relative
+    L2 error of the logits and the count of clear-margin argmax disagreements."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, model.args.vocab_size, prompt_len).tolist()
+    ref_caches, logits = prefilled(model, prompt)
+    fused_caches, _ = prefilled(model, prompt)
+    dec = FusedDecoder(model)
+    dec.prepare(fused_caches, prompt_len + steps)
+    y = mx.argmax(logits, axis=-1).astype(mx.uint32)
+    pos = mx.array([prompt_len], mx.int32)
+    worst, clear_mismatch = 0.0, 0
+    for i in range(steps):
+        ref = model(y[None], ref_caches)[:, -1, :].astype(mx.float32)
+        got = dec.step(y, pos, prompt_len + i, fused_caches).astype(mx.float32)
+        assert got.shape == ref.shape
+        r, g = np.array(ref)[0], np.array(got)[0]
+        assert np.isfinite(g).all()
+        worst = max(worst, float(np.linalg.norm(g - r) / np.linalg.norm(r)))
+        top2 = np.sort(r)[-2:]
+        if top2[1] - top2[0] > 0.05 * max(1.0, abs(top2[1])) and int(g.argmax()) != int(r.argmax()):
+            clear_mismatch += 1
+        y = mx.array([int(r.argmax())], mx.uint32)
+        pos = pos + 1
+    return worst, clear_mismatch
+
+
+@gpu
+@pytest.mark.parametrize("case", [
+    dict(),                                                      # llama, 4-bit group 64, non-traditional RoPE
+    dict(rope_traditional=True, group_size=32),                  # GGUF-style: interleaved RoPE, group 32
+    dict(bits=8, group_size=32),
+    dict(dense=True),
+    dict(dtype=mx.bfloat16),
+    dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1),
+    dict(model_type="qwen2", tie_word_embeddings=False),          # q/k/v biases, untied head
+    dict(rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 256}),
+], ids=["llama-q4g64", "trad-q4g32", "q8", "dense", "bf16", "hd128", "qwen2", "llama3-rope"])
+def test_fused_step_matches_the_model(case):
+    model = make_model(**case)
+    assert model_blocker(model) is None
+    worst, mismatches = compare_steps(model)
+    tol = 3e-2 if case.get("dtype") is mx.bfloat16 else 5e-3
+    assert worst < tol, worst
+    assert mismatches == 0
+
+
+@gpu
+@pytest.mark.parametrize("prompt_len", [1, 127, 128, 129, 300, 700])
+def test_attention_splits_and_chunk_edges(prompt_len):
+    """Contexts of one to several 128-key chunks (the split path and its combine)."""
+    worst, mismatches = compare_steps(make_model(), prompt_len=prompt_len, steps=4)
+    assert worst < 5e-3, worst
+    assert mismatches == 0
+
+
+@gpu
+def test_engine_uses_fused_step_and_reuses_caches():
+    """The engine picks the fused step on CUDA; a second prompt on the same engine (caches reset, not
+    reallocated) gives exactly what a fresh engine gives."""
+    model = make_model()
+    params = GenerateParams(max_tokens=40, ignore_eos=True)
+    a, b = list(range(5, 60)), list(range(100, 120))
+    eng = Engine(model, [], 2048)
+    assert eng.fused is not None
+    first = eng.generate(a, params)
+    assert first.fused and len(first.token_ids) == 40
+    assert all(c.offset == len(a) + 39 for c in eng.cache)
+    again = eng.generate(b, params)
+    fresh = Engine(model, [], 2048).generate(b, params)
+    assert again.token_ids == fresh.token_ids
+    plain = Engine(model, [], 2048, fused=False, compile=False).generate(b, params)
+    assert not plain.fused
+    agree = sum(x == y for x, y in zip(plain.token_ids, fresh.token_ids))
+    assert agree >= 30, (plain.token_ids, fresh.token_ids)
+
+
+def test_fused_blocker_off_cuda_or_unsupported_caches():
+    model = make_model()
+    if not CUDA:
+        assert fused_blocker(model, model.make_cache()) == "not on MLX's CUDA backend"
+        assert Engine(model, [], 2048).fused is None
+    else:
+        assert fused_blocker(model, [RotatingKVCache(64) for _ in range(3)]) is not None
+        assert fused_blocker(model, [KVCache() for _ in range(3)]) is None
+
+
+def test_model_blocker_names_the_reason():
+    model = make_model(model_type="qwen3")
+    assert "qwen3" in model_blocker(model)
