@@ -35,7 +35,16 @@ import mlx.nn as nn
 from .cache import KVCache
 
 ATTN_CHUNK = 128  # keys per attention block (one thread per key)
-ROWS_PER_BLOCK = 8  # warps (one output row, or row pair, per warp) per GEMV block of 256 threads
+WARPS_PER_BLOCK = 8  # per GEMV block of 256 threads
+
+
+def units_per_warp(rows: int, mode: str) -> int:
+    """Output rows (row pairs for "swiglu") one warp computes: more for large projections, so x is
+    staged and read once for several weight rows (fewer x reads per weight byte, more loads in flight),
+    one or two for small ones, so enough blocks exist to occupy the GPU."""
+    if mode == "swiglu":
+        return 2 if rows >= 16384 else 1
+    return 4 if rows >= 16384 else 2
 MAX_SMEM_BYTES = 48 * 1024  # static shared memory limit per block (CUDA)
 
 _HEADER = r"""
@@ -75,9 +84,22 @@ __device__ __forceinline__ float pl_block_max(float v, float* red) {
   return pl_warp_max(t);
 }
 
-// x (K values) into shared memory, through RMSNorm when NORM: y = w * T(x * rsqrt(mean(x^2) + eps))
-// (MLX's rms_norm rounding: the normalized value is rounded to T, then multiplied by the weight in T).
-template <typename T, int K, int NT, bool NORM>
+// Staged copy of x in shared memory, "swizzled": x is cut into chunks of VALS values (what one lane's
+// 16-byte weight load covers), each chunk into 16-byte pieces; piece p of every chunk is stored
+// contiguously across chunks, so the 32 lanes of a warp, each reading piece p of its own chunk, read
+// consecutive 16-byte words (no shared-memory bank conflicts).
+template <typename T, int VALS, int K>
+__device__ __forceinline__ int pl_swz(int k) {
+  constexpr int PS = 16 / sizeof(T);
+  constexpr int NCH = K / VALS;
+  const int c = k / VALS, o = k % VALS;
+  return ((o / PS) * NCH + c) * PS + (o % PS);
+}
+
+// x (K values) into shared memory (swizzled), through RMSNorm when NORM:
+// y = w * T(x * rsqrt(mean(x^2) + eps)) (MLX's rms_norm rounding: the normalized value is rounded to
+// T, then multiplied by the weight in T).
+template <typename T, int K, int NT, bool NORM, int VALS>
 __device__ __forceinline__ void pl_load_x(const T* x, const T* nw, float eps, T* xs, float* red) {
   if (NORM) {
     float ss = 0.f;
@@ -88,62 +110,86 @@ __device__ __forceinline__ void pl_load_x(const T* x, const T* nw, float eps, T*
     float r = rsqrtf(pl_block_sum<NT>(ss, red) / K + eps);
     for (int i = threadIdx.x; i < K; i += NT) {
       T y = static_cast<T>(static_cast<float>(x[i]) * r);
-      xs[i] = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(y));
+      xs[pl_swz<T, VALS, K>(i)] = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(y));
     }
   } else {
-    for (int i = threadIdx.x; i < K; i += NT) xs[i] = x[i];
+    for (int i = threadIdx.x; i < K; i += NT) xs[pl_swz<T, VALS, K>(i)] = x[i];
   }
   __syncthreads();
 }
 
-// Dot product of weight row `row` with xs (K values in shared memory), summed over the warp.
+// Dot products of R weight rows with the staged x (K values), each summed over the warp into out[r].
 // BITS 4 or 8: MLX affine quantization (uint32 words, 32/BITS values each, low bits first;
 // value = scale * q + bias per GS values). BITS 0: dense weights of type T.
-// Each lane reads 16-byte chunks of the row; a chunk never straddles a quantization group.
-template <typename T, int BITS, int GS, int K>
-__device__ __forceinline__ float pl_row_dot(const uint32_t* wq, const T* wd, const T* sc, const T* bi,
-                                            int row, const T* xs, int lane) {
-  float acc = 0.f;
-  if constexpr (BITS == 0) {
-    constexpr int VALS = 16 / sizeof(T);
-    constexpr int CH = K / VALS;
-    const uint4* w4 = reinterpret_cast<const uint4*>(wd + (size_t)row * K);
-#pragma unroll 4
-    for (int c = lane; c < CH; c += 32) {
-      uint4 v = w4[c];
-      const T* wv = reinterpret_cast<const T*>(&v);
+// Each lane reads 16-byte chunks of every row (a chunk never straddles a quantization group) and the
+// matching x values once for all R rows.
+template <typename T, int BITS, int GS, int K, int R>
+__device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, const T* sc, const T* bi,
+                                            const int (&rows)[R], const T* xs, int lane, float (&out)[R]) {
+  constexpr int PS = 16 / sizeof(T);
+  float acc[R];
 #pragma unroll
-      for (int j = 0; j < VALS; j++) acc += static_cast<float>(wv[j]) * static_cast<float>(xs[c * VALS + j]);
+  for (int r = 0; r < R; r++) acc[r] = 0.f;
+  if constexpr (BITS == 0) {
+    constexpr int CH = K / PS;
+#pragma unroll 2
+    for (int c = lane; c < CH; c += 32) {
+      uint4 wv[R];
+#pragma unroll
+      for (int r = 0; r < R; r++) wv[r] = reinterpret_cast<const uint4*>(wd + (size_t)rows[r] * K)[c];
+      const uint4 xr = *reinterpret_cast<const uint4*>(xs + c * PS);
+      const T* xv = reinterpret_cast<const T*>(&xr);
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const T* w = reinterpret_cast<const T*>(&wv[r]);
+#pragma unroll
+        for (int j = 0; j < PS; j++) acc[r] += static_cast<float>(w[j]) * static_cast<float>(xv[j]);
+      }
     }
   } else {
     constexpr int PER = 32 / BITS;
     constexpr int VALS = 4 * PER;
     constexpr int CH = K / VALS;
     constexpr int NG = K / GS;
-    const uint4* w4 = reinterpret_cast<const uint4*>(wq + (size_t)row * (K / PER));
-    const T* s_row = sc + (size_t)row * NG;
-    const T* b_row = bi + (size_t)row * NG;
-#pragma unroll 4
+    constexpr int NP = VALS / PS;
+#pragma unroll 2
     for (int c = lane; c < CH; c += 32) {
-      uint4 v = w4[c];
-      const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
-      const int k0 = c * VALS;
-      const float s = static_cast<float>(s_row[k0 / GS]);
-      const float b = static_cast<float>(b_row[k0 / GS]);
-      float qx = 0.f, sx = 0.f;
+      uint4 wv[R];
+      float s[R], b[R];
 #pragma unroll
-      for (int i = 0; i < 4; i++) {
+      for (int r = 0; r < R; r++) {
+        wv[r] = reinterpret_cast<const uint4*>(wq + (size_t)rows[r] * (K / PER))[c];
+        s[r] = static_cast<float>(sc[(size_t)rows[r] * NG + (c * VALS) / GS]);
+        b[r] = static_cast<float>(bi[(size_t)rows[r] * NG + (c * VALS) / GS]);
+      }
+      float xf[VALS];
+      float sx = 0.f;
 #pragma unroll
-        for (int j = 0; j < PER; j++) {
-          const float xv = static_cast<float>(xs[k0 + i * PER + j]);
-          qx += static_cast<float>((ws[i] >> (BITS * j)) & ((1u << BITS) - 1u)) * xv;
-          sx += xv;
+      for (int p = 0; p < NP; p++) {
+        const uint4 xr = *reinterpret_cast<const uint4*>(xs + (p * CH + c) * PS);
+        const T* xv = reinterpret_cast<const T*>(&xr);
+#pragma unroll
+        for (int e = 0; e < PS; e++) {
+          xf[p * PS + e] = static_cast<float>(xv[e]);
+          sx += xf[p * PS + e];
         }
       }
-      acc += s * qx + b * sx;
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const uint32_t ws[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+        float qx = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+#pragma unroll
+          for (int j = 0; j < PER; j++)
+            qx += static_cast<float>((ws[i] >> (BITS * j)) & ((1u << BITS) - 1u)) * xf[i * PER + j];
+        }
+        acc[r] += s[r] * qx + b[r] * sx;
+      }
     }
   }
-  return pl_warp_sum(acc);
+#pragma unroll
+  for (int r = 0; r < R; r++) out[r] = pl_warp_sum(acc[r]);
 }
 """
 
@@ -179,16 +225,20 @@ class Proj:
             return f"input size {self.in_dim} too large for one block's shared memory"
         return None
 
-    def names(self, p: str) -> list[str]:
-        return [f"{p}w", f"{p}s", f"{p}b"] if self.bits else [f"{p}w"]
+    def names(self) -> list[str]:
+        return ["w", "s", "b"] if self.bits else ["w"]
 
-    def dot(self, p: str, row: str) -> str:
-        """CUDA expression: the warp's dot product of row ``row`` with ``xs``."""
+    def vals(self, dtype: mx.Dtype) -> int:
+        """Input values one lane's 16-byte weight load covers."""
+        return 128 // self.bits if self.bits else 16 // dtype.size
+
+    def rows_dot(self, r: int) -> str:
+        """CUDA statement: the warp's dot products of rows ``rows[0..r)`` with ``xs`` into ``acc``."""
         if self.bits:
-            return (f"pl_row_dot<T, {self.bits}, {self.group_size}, {self.in_dim}>"
-                    f"({p}w, (const T*)nullptr, {p}s, {p}b, {row}, xs, lane)")
-        return (f"pl_row_dot<T, 0, 1, {self.in_dim}>((const uint32_t*)nullptr, {p}w, "
-                f"(const T*)nullptr, (const T*)nullptr, {row}, xs, lane)")
+            return (f"pl_rows_dot<T, {self.bits}, {self.group_size}, {self.in_dim}, {r}>"
+                    f"(w, (const T*)nullptr, s, b, rows, xs, lane, acc);")
+        return (f"pl_rows_dot<T, 0, 1, {self.in_dim}, {r}>((const uint32_t*)nullptr, w, "
+                f"(const T*)nullptr, (const T*)nullptr, rows, xs, lane, acc);")
 
 
 def _rope_table(rope: nn.Module, head_dim: int) -> tuple[mx.array, float, bool]:
@@ -268,17 +318,19 @@ class FusedDecoder:
             pairs = (H + 2 * KVH) * D // 2
             src = f"""
   constexpr int K = {self.hidden}, NT = 256, D = {D}, H = {H}, KVH = {KVH};
-  __shared__ T xs[K];
+  __shared__ __align__(16) T xs[K];
   __shared__ float red[32];
-  pl_load_x<T, K, NT, true>(x, nw, {_f(self.eps)}, xs, red);
+  pl_load_x<T, K, NT, true, {qkv.vals(self.dtype)}>(x, nw, {_f(self.eps)}, xs, red);
   const int lane = threadIdx.x & 31;
   const int p = blockIdx.x * (NT / 32) + (threadIdx.x >> 5);
   if (p >= {pairs}) return;
   const int head = p / (D / 2), j = p % (D / 2);
   const int r0 = head * D + ({int(trad)} ? 2 * j : j);
   const int r1 = r0 + ({int(trad)} ? 1 : D / 2);
-  const float a0 = {qkv.dot("", "r0")};
-  const float a1 = {qkv.dot("", "r1")};
+  const int rows[2] = {{r0, r1}};
+  float acc[2];
+  {qkv.rows_dot(2)}
+  const float a0 = acc[0], a1 = acc[1];
   if (lane != 0) return;
   float y0 = static_cast<float>(static_cast<T>(a0)), y1 = static_cast<float>(static_cast<T>(a1));
   {"y0 = static_cast<float>(static_cast<T>(y0 + static_cast<float>(bias[r0])));" if has_bias else ""}
@@ -306,7 +358,7 @@ class FusedDecoder:
     dst[base + (r1 - head * D)] = o1;
   }}
 """
-            names = ["x", "nw", *qkv.names(""), *(["bias"] if has_bias else []), "inv_freq", "pos", "kc", "vc"]
+            names = ["x", "nw", *qkv.names(), *(["bias"] if has_bias else []), "inv_freq", "pos", "kc", "vc"]
             return mx.fast.cuda_kernel(name="pl_qkv", input_names=names, output_names=["q"], source=src,
                                        header=_HEADER), pairs
 
@@ -391,41 +443,46 @@ class FusedDecoder:
         def make():
             norm = mode in ("norm", "swiglu")
             n_out = proj.out_dim // 2 if mode == "swiglu" else proj.out_dim
+            units = units_per_warp(proj.out_dim, mode)
+            r = 2 * units if mode == "swiglu" else units
             if mode == "swiglu":
-                body = f"""
-  const float g = {proj.dot("", "p")};
-  const float u = {proj.dot("", f"p + {n_out}")};
-  if (lane != 0) return;
-  const T gt = static_cast<T>(g);
-  const float gf = static_cast<float>(gt);
-  const T sg = static_cast<T>(1.f / (1.f + expf(-gf)));
-  const T sl = static_cast<T>(gf * static_cast<float>(sg));
-  out[p] = static_cast<T>(static_cast<float>(sl) * static_cast<float>(static_cast<T>(u)));
-"""
+                rows = f"rows[2 * u] = min(u0 + u, N - 1); rows[2 * u + 1] = rows[2 * u] + N;"
+                store = """
+    const T gt = static_cast<T>(acc[2 * u]);
+    const float gf = static_cast<float>(gt);
+    const T sg = static_cast<T>(1.f / (1.f + expf(-gf)));
+    const T sl = static_cast<T>(gf * static_cast<float>(sg));
+    out[u0 + u] = static_cast<T>(static_cast<float>(sl) * static_cast<float>(static_cast<T>(acc[2 * u + 1])));"""
             elif mode == "residual":
-                body = f"""
-  const float a = {proj.dot("", "p")};
-  if (lane != 0) return;
-  out[p] = static_cast<T>(static_cast<float>(static_cast<T>(a)) + static_cast<float>(r[p]));
-"""
+                rows = "rows[u] = min(u0 + u, N - 1);"
+                store = """
+    out[u0 + u] = static_cast<T>(static_cast<float>(static_cast<T>(acc[u])) + static_cast<float>(r[u0 + u]));"""
             else:
-                body = f"""
-  const float a = {proj.dot("", "p")};
-  if (lane != 0) return;
-  out[p] = static_cast<T>(a);
-"""
+                rows = "rows[u] = min(u0 + u, N - 1);"
+                store = """
+    out[u0 + u] = static_cast<T>(acc[u]);"""
             src = f"""
-  constexpr int K = {proj.in_dim}, NT = 256;
-  __shared__ T xs[K];
+  constexpr int K = {proj.in_dim}, NT = 256, N = {n_out}, U = {units};
+  __shared__ __align__(16) T xs[K];
   __shared__ float red[32];
-  pl_load_x<T, K, NT, {str(norm).lower()}>(x, {"nw" if norm else "x"}, {_f(self.eps)}, xs, red);
+  pl_load_x<T, K, NT, {str(norm).lower()}, {proj.vals(self.dtype)}>(x, {"nw" if norm else "x"}, {_f(self.eps)}, xs, red);
   const int lane = threadIdx.x & 31;
-  const int p = blockIdx.x * (NT / 32) + (threadIdx.x >> 5);
-  if (p >= {n_out}) return;
-{body}"""
-            names = ["x", *(["nw"] if norm else []), *proj.names(""), *(["r"] if mode == "residual" else [])]
+  const int u0 = (blockIdx.x * (NT / 32) + (threadIdx.x >> 5)) * U;
+  if (u0 >= N) return;
+  int rows[{r}];
+  float acc[{r}];
+#pragma unroll
+  for (int u = 0; u < U; u++) {{ {rows} }}
+  {proj.rows_dot(r)}
+  if (lane != 0) return;
+#pragma unroll
+  for (int u = 0; u < U; u++) {{
+    if (u0 + u >= N) break;{store}
+  }}
+"""
+            names = ["x", *(["nw"] if norm else []), *proj.names(), *(["r"] if mode == "residual" else [])]
             return mx.fast.cuda_kernel(name=f"pl_gemv_{mode}", input_names=names, output_names=["out"],
-                                       source=src, header=_HEADER), n_out
+                                       source=src, header=_HEADER), -(-n_out // units)
 
         return self._kernel(("gemv", mode, proj.bits, proj.group_size, proj.in_dim, proj.out_dim), make)
 
@@ -446,7 +503,7 @@ class FusedDecoder:
   const size_t tok = static_cast<size_t>(ids[0]);
   for (int i = threadIdx.x; i < {n}; i += blockDim.x) out[i] = static_cast<T>({val});
 """
-            return mx.fast.cuda_kernel(name="pl_embed", input_names=["ids", *e.names("")], output_names=["out"],
+            return mx.fast.cuda_kernel(name="pl_embed", input_names=["ids", *e.names()], output_names=["out"],
                                        source=src, header=_HEADER)
 
         return self._kernel(("embed",), make)
@@ -479,7 +536,7 @@ class FusedDecoder:
             kern, pairs = self._qkv_kernel(qkv, lay["traditional"], lay["pos_scale"])
             extra = [qkv.bias] if qkv.bias is not None else []
             q = kern(inputs=[h, lay["in_norm"], *qkv.arrays, *extra, lay["inv_freq"], pos, c.keys, c.values],
-                     template=tmpl, grid=(-(-pairs // ROWS_PER_BLOCK) * 256, 1, 1), threadgroup=(256, 1, 1),
+                     template=tmpl, grid=(-(-pairs // WARPS_PER_BLOCK) * 256, 1, 1), threadgroup=(256, 1, 1),
                      output_shapes=[(H * D,)], output_dtypes=[T])[0]
             o = attn(inputs=[q, c.keys, c.values, pos, self._scratch, self._counts], template=tmpl,
                      grid=(splits * ATTN_CHUNK, H, 1), threadgroup=(ATTN_CHUNK, 1, 1),
@@ -491,8 +548,9 @@ class FusedDecoder:
         return logits[None]
 
     def _gemv(self, proj: Proj, mode: str, inputs: list) -> mx.array:
-        kern, n_out = self._gemv_kernel(proj, mode)
-        return kern(inputs=inputs, template=[("T", self.dtype)], grid=(-(-n_out // ROWS_PER_BLOCK) * 256, 1, 1),
+        kern, warps = self._gemv_kernel(proj, mode)
+        n_out = proj.out_dim // 2 if mode == "swiglu" else proj.out_dim
+        return kern(inputs=inputs, template=[("T", self.dtype)], grid=(-(-warps // WARPS_PER_BLOCK) * 256, 1, 1),
                     threadgroup=(256, 1, 1), output_shapes=[(n_out,)], output_dtypes=[self.dtype])[0]
 
 
