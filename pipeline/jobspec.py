@@ -312,6 +312,10 @@ class EngineSpec:
         compile: run decode steps through the compiled closure set: true, false (eager), or "auto"
             (compiled, except on the CUDA backend with only full caches, where eager decode measured
             faster; ``pipeline.engine.compile_by_default``).
+        fused: decode through the fused CUDA step (``pipeline.fused``: five custom kernels per layer)
+            where it applies (MLX's CUDA backend, Llama/Qwen2 families, full KV caches, sequential
+            decoding): "auto" or true; false keeps the unfused step. Same model to rounding; "auto" is
+            left out of the job fingerprint, so jobs written before the option existed resume.
         batch_size: rows decoded together (continuous batching, ``pipeline.batch``); 1 decodes one row
             at a time (the default: every row's tokens are exactly those of the model run alone).
         max_kv_memory_gb: refuse to start a batched job whose KV buffers (batch_size x capacity
@@ -323,6 +327,7 @@ class EngineSpec:
     dequantize: bool | str = "auto"
     prefill_step_size: int = 512
     compile: bool | str = "auto"
+    fused: bool | str = "auto"
     batch_size: int = 1
     max_kv_memory_gb: float | None = None
 
@@ -335,6 +340,8 @@ class EngineSpec:
             bad.append(f"engine.dequantize must be true, false or auto, got {self.dequantize!r}")
         if self.compile not in (True, False, "auto"):
             bad.append(f"engine.compile must be true, false or auto, got {self.compile!r}")
+        if self.fused not in (True, False, "auto"):
+            bad.append(f"engine.fused must be true, false or auto, got {self.fused!r}")
         if self.prefill_step_size < 1:
             bad.append(f"engine.prefill_step_size must be >= 1, got {self.prefill_step_size}")
         if self.batch_size < 1:

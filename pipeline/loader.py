@@ -98,7 +98,7 @@ class LoadedModel:
     """
 
     def __init__(self, spec: str, path: Path, config: dict, model, tokenizer: Tokenizer, prefill_step_size: int = 512,
-                 cache_spec=None, compile: bool | str = "auto"):
+                 cache_spec=None, compile: bool | str = "auto", fused: bool | str = "auto"):
         self.spec, self.path, self.config, self.model, self.tokenizer = spec, path, config, model, tokenizer
         self.engine = Engine(
             model,
@@ -108,6 +108,7 @@ class LoadedModel:
             cache_spec=cache_spec,
             compile=compile,
             tokenizer=tokenizer,
+            fused=fused,
         )
 
     def logprobs(self, token_ids: list[int]) -> np.ndarray:
@@ -146,7 +147,8 @@ def model_identity(spec: str, path: Path) -> dict:
 
 def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequantize: str | bool = "auto",
                prefill_step_size: int = 512, cache_spec=None, compile: bool | str = "auto",
-               path: Path | None = None, fuse: bool = True, batch_size: int = 1) -> LoadedModel:
+               path: Path | None = None, fuse: bool = True, batch_size: int = 1,
+               fused: bool | str = "auto") -> LoadedModel:
     """Load a model: a built-in alias, a ``.gguf`` path, or a Hugging Face repo id.
 
     Args:
@@ -160,6 +162,8 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
         compile: decode through the compiled closure set: true, false (eager) or "auto"
             (``pipeline.engine.compile_by_default``).
         path: the already-resolved local file for ``spec``, if known.
+        fused: decode through the fused CUDA step where it applies (``pipeline.fused``): "auto"/true,
+            or false.
         fuse: run projections that read the same input as one (``models.base.fuse_projections``;
             same values, fewer kernels: on an H200 eager decode ran 4-7% faster, on the CPU no
             measurable change); false keeps the stored layout (``pipeline inspect``).
@@ -179,4 +183,4 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
     if fuse:
         g.weights = None  # the fused copies below replace these arrays; let them go
         fuse_projections(model)
-    return LoadedModel(spec, path, g.config, model, g.tokenizer, prefill_step_size, cache_spec, compile)
+    return LoadedModel(spec, path, g.config, model, g.tokenizer, prefill_step_size, cache_spec, compile, fused)
