@@ -1,20 +1,21 @@
 """``executor: ray``: a job's pending rows on a Ray cluster, through Ray Data.
 
-``runner.run_job`` plans as in local mode (pending samples, fingerprint, ``ShardStore``, run records)
-and hands the pending samples to ``run_units``, which
+``runner.run_job`` plans as in local mode (pending samples, fingerprint, ``ShardStore``, run records).
+It connects to the cluster (``open_cluster``: ``ray.address``; Ray is imported only here, only then)
+before it writes anything in the output directory; sizes the actors for the units that will run
+(``Cluster.prepare``: ``actor_resources``) and checks that every node sees the output directory
+(``probe_storage``) before it records the run; then hands the pending samples to ``run_units``, which
 
-1. connects to the cluster (``ray.address``; Ray is imported only here, only then);
-2. checks that every node sees the output directory (``probe_storage``);
-3. cuts the pending samples, in input order, into work units of ``ray.unit_rows`` and records the plan
+1. cuts the pending samples, in input order, into work units of ``ray.unit_rows`` and records the plan
    in the manifest (``ShardStore.plan_units``: a fresh ``unit-NNNNN.parquet`` name per unit);
-4. in batched mode (``engine.batch_size`` > 1) computes the slot capacity once, in a Ray task, from
+2. in batched mode (``engine.batch_size`` > 1) computes the slot capacity once, in a Ray task, from
    every prompt of the job as local mode does (``runner.batch_capacity``), so the rows are the same;
-5. runs a Ray dataset with one block per unit through ``map_batches(_UnitWorker, batch_size=1,
+3. runs a Ray dataset with one block per unit through ``map_batches(_UnitWorker, batch_size=1,
    compute=ActorPoolStrategy(size=actors))``: each actor loads the model once and runs a unit exactly
    as local mode runs those samples (``runner.generate_samples``: same seeds, prompts and engine), then
    writes the unit's shard itself with ``shards.write_shard`` (temporary file, fsync, rename) and
    returns one small record (unit, shard entry, rows, failures, tokens, seconds, actor);
-6. commits each unit (``ShardStore.commit_written``) as its record arrives: the driver is the only
+4. commits each unit (``ShardStore.commit_written``) as its record arrives: the driver is the only
    manifest writer.
 
 Failures: a failed row is a row with ``error`` set, as in local mode. An actor that dies (a crash,
@@ -38,23 +39,39 @@ import math
 import os
 import pickle
 import secrets
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from .jobspec import JobSpec, RaySpec
+from .jobspec import JobSpec, JobSpecError, RaySpec
 from .shards import OutputError, ShardStore, write_shard
 
 UNIT_RETRIES = 3  # runs of a unit after its actor died, before the job fails
 CPU_SHARE = 0.75  # of the cluster's CPUs reserved for CPU actors by default; the rest for Ray Data's tasks
-INSTALL = "executor: ray needs Ray Data: pip install 'pipeline[ray]'"
+CONNECT_TIMEOUT_S = 5.0  # the plain TCP check of an explicit cluster address, before ray.init
 
 
 class DistributedError(RuntimeError):
     """Ray is missing or unreachable, the cluster cannot run the actors, or the run failed on it."""
+
+
+class ResourceError(JobSpecError, DistributedError):
+    """The job's ``ray`` settings ask for more CPUs or GPUs than the cluster has: a problem with the job
+    (``JobSpecError``: the CLI exits 2), found before any work."""
+
+
+def install_hint() -> str:
+    """How to install Ray Data for this project: the ``ray`` extra of its checkout (the PyPI package
+    named ``pipeline`` is another project)."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file():
+        return f'pip install -e "{root}[ray]" (the ray extra of this checkout)'
+    return 'pip install -e ".[ray]" in the pipeline checkout (its ray extra; PyPI\'s "pipeline" is another project)'
 
 
 def import_ray():
@@ -67,7 +84,7 @@ def import_ray():
         import ray
         import ray.data
     except ImportError:
-        raise DistributedError(INSTALL) from None
+        raise DistributedError(f"executor: ray needs Ray Data: {install_hint()}") from None
     return ray
 
 
@@ -82,16 +99,18 @@ class Resources:
     threads: int
 
 
-def actor_resources(spec: RaySpec, cluster: dict) -> Resources:
+def actor_resources(spec: RaySpec, cluster: dict, units: int | None = None) -> Resources:
     """Actor count and per-actor resources from the job's ``ray`` section and ``cluster``
     (``ray.cluster_resources()``: ``{"CPU": n, "GPU": n, ...}``); see ``RaySpec`` for the defaults.
+    Given ``units`` (the work units to run), no more actors than units, and the CPUs and threads not
+    set in the job are sized for the actors that run.
 
     CPU actors get fractional CPUs by default (3/4 of the cluster's shared among them) so that Ray
     Data's own tasks are never starved of a CPU, and the cluster's CPUs divided among the actors as
     threads.
 
     Raises:
-        DistributedError: the actors need more CPUs or GPUs than the cluster has (Ray would wait forever).
+        ResourceError: the actors need more CPUs or GPUs than the cluster has (Ray would wait forever).
     """
     cpus, gpus = float(cluster.get("CPU", 0)), float(cluster.get("GPU", 0))
     num_gpus = spec.num_gpus if spec.num_gpus is not None else (1.0 if gpus >= 1 else 0.0)
@@ -101,6 +120,8 @@ def actor_resources(spec: RaySpec, cluster: dict) -> Resources:
         actors = max(1, int(gpus // num_gpus))
     else:
         actors = max(1, int(cpus))
+    if units is not None:
+        actors = max(1, min(actors, units))
     if spec.num_cpus is not None:
         num_cpus = spec.num_cpus
     else:
@@ -108,34 +129,141 @@ def actor_resources(spec: RaySpec, cluster: dict) -> Resources:
     threads = max(1, math.ceil(num_cpus)) if num_gpus > 0 else max(1, int(cpus // actors))
     for what, each, have in (("CPU", num_cpus, cpus), ("GPU", num_gpus, gpus)):
         if actors * each > have + 1e-9:
-            raise DistributedError(f"ray: {actors} actor(s) x {each:g} {what} need {actors * each:g} {what}s, the "
-                                   f"cluster has {have:g}; lower ray.actors or ray.num_{what.lower()}s")
+            raise ResourceError(f"ray: {actors} actor(s) x {each:g} {what} need {actors * each:g} {what}(s), the "
+                                f"cluster has {have:g}; lower ray.actors or ray.num_{what.lower()}s")
     if num_cpus <= 0:
-        raise DistributedError("ray: the cluster has no CPUs for the actors; set ray.num_cpus")
+        raise ResourceError("ray: the cluster has no CPUs for the actors; set ray.num_cpus")
     return Resources(actors, num_cpus, num_gpus, threads)
+
+
+def gcs_endpoint(address: str | None) -> tuple[str, int] | None:
+    """``(host, port)`` that ``ray.init(address=...)`` connects to by address: ``address`` itself
+    (``HOST:PORT`` or ``ray://HOST:PORT``), or ``$RAY_ADDRESS`` for None and "auto"; None without such an
+    address (a cluster Ray finds on this machine or starts) or without a port."""
+    if address in (None, "auto"):
+        address = os.environ.get("RAY_ADDRESS") or None
+    if address is None or address in ("auto", "local"):
+        return None
+    host, sep, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(address: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail at once when nothing accepts TCP connections at the cluster's address (``gcs_endpoint``):
+    ``ray.init`` would retry for many minutes.
+
+    Raises:
+        DistributedError: naming ``ray.address`` / ``--ray`` and the address.
+    """
+    end = gcs_endpoint(address)
+    if end is None:
+        return
+    host, port = end
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        why = e.strerror or str(e) or type(e).__name__
+        raise DistributedError(f"ray.address / --ray {address!r}: nothing accepts connections at {host}:{port} "
+                               f"({why}); start the cluster there (ray start --head) or fix the address") from None
 
 
 def connect(ray, address: str | None) -> bool:
     """Connect to the cluster at ``address`` (``RaySpec.address``) unless Ray is initialized already.
-    Returns whether this call connected (the caller then shuts Ray down).
+    Returns whether this call connected (the caller then shuts Ray down). The SIGINT and SIGTERM
+    handlers are those of before: ``ray.init`` installs its own (SIGTERM: exit 15 and a crash dump of
+    its core worker), which would bypass ``runner._Signals``.
 
     Raises:
-        DistributedError: no cluster at ``address``.
+        DistributedError: nothing at ``address`` (``check_reachable``), or ``ray.init`` could not connect.
     """
     if ray.is_initialized():
         return False
+    check_reachable(address)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    handlers = _handlers()
     try:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
                  configure_logging=True)
     except ConnectionError as e:
-        if address == "auto":
+        if gcs_endpoint(address) is None:
             hint = "start one with `ray start --head`, or use --ray local (ray.address: local) to start one for this run"
-        else:
-            hint = ("check ray.address / --ray; a cluster with token authentication (Ray 2.60's default) also needs "
-                    "RAY_AUTH_MODE=token in the driver's environment")
+        else:  # the TCP check passed: something listens there
+            hint = ("the address accepts connections: a cluster with token authentication (Ray 2.60's default) "
+                    "also needs RAY_AUTH_MODE=token in the driver's environment")
         raise DistributedError(f"ray.address {address!r}: cannot connect to a Ray cluster ({e}); {hint}") from None
+    finally:
+        _restore(handlers)
     return True
+
+
+def _handlers() -> dict:
+    """The SIGINT and SIGTERM handlers now (none outside the main thread, where they cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore(handlers: dict) -> None:
+    """Install ``handlers`` (``_handlers``) again, also where Ray replaced them below Python."""
+    for s, h in handlers.items():
+        signal.signal(s, signal.SIG_DFL if h is None else h)
+
+
+class Cluster:
+    """The Ray cluster of one ``runner.run_job`` (``open_cluster``); a context manager that shuts down
+    a cluster this run connected to, keeping the signal handlers.
+
+    Attributes:
+        ray: the ``ray`` module.
+        started: this run connected (``connect``); False when Ray was initialized already.
+        resources: the actors' resources, once ``prepare`` has run.
+    """
+
+    def __init__(self, ray, started: bool):
+        self.ray, self.started, self.resources = ray, started, None
+
+    def prepare(self, job: JobSpec, out_dir: Path, pending: int) -> Resources:
+        """Size the actors for the units of ``pending`` samples (``actor_resources``) and check that
+        every node sees ``out_dir`` (``probe_storage``): before the run is recorded.
+
+        Raises:
+            ResourceError: the actors need more CPUs or GPUs than the cluster has.
+            OutputError: a node does not see ``out_dir``.
+        """
+        units = math.ceil(pending / unit_rows(job))
+        self.resources = actor_resources(job.ray, self.ray.cluster_resources(), units)
+        probe_storage(self.ray, out_dir.resolve())
+        return self.resources
+
+    def close(self) -> None:
+        if self.started:
+            handlers = _handlers()
+            self.ray.shutdown()
+            _restore(handlers)
+            self.started = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_cluster(address: str | None) -> Cluster:
+    """Import Ray and connect to the cluster at ``address`` (``connect``).
+
+    Raises:
+        DistributedError: Ray Data missing, nothing at ``address``, or ``ray.init`` could not connect.
+    """
+    ray = import_ray()
+    return Cluster(ray, connect(ray, address))
+
+
+def unit_rows(job: JobSpec) -> int:
+    """Output rows per work unit: ``ray.unit_rows``, else ``output.shard_size``."""
+    return job.ray.unit_rows or job.output.shard_size
 
 
 def _probe(out_dir: str, token: str, node: int) -> tuple[str, bool]:
@@ -326,14 +454,15 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def run_units(job: JobSpec, store: ShardStore, model_path: Path, id_type, planned: list, pending: list,
-              retry: set, summary, *, progress: bool = True, echo=print) -> None:
+def run_units(cluster: Cluster, job: JobSpec, store: ShardStore, model_path: Path, id_type, planned: list,
+              pending: list, retry: set, summary, *, progress: bool = True, echo=print) -> None:
     """Generate ``pending`` samples on Ray and commit them unit by unit (see the module docstring),
     updating ``summary`` (a ``runner.RunSummary``: rows written and failed, tokens, seconds, closures,
     per-actor ``workers``). A signal stops it through ``runner._Signals`` (``Aborted``): the units
     committed are kept; units in flight are redone, or their shards adopted, by the next run.
 
     Args:
+        cluster: the connected cluster (``open_cluster``), after ``Cluster.prepare`` for ``pending``.
         job, store, model_path, id_type: the job, its open output dir, its resolved model and the output
             ``id`` type, as ``run_job`` has them.
         planned: every sample of the job (batched mode sizes its slots from all of them).
@@ -341,12 +470,10 @@ def run_units(job: JobSpec, store: ShardStore, model_path: Path, id_type, planne
         retry: keys of committed failed rows to replace (``--retry-failed``).
 
     Raises:
-        DistributedError: Ray missing or unreachable, too few resources, or a failed run on the cluster.
-        OutputError: a node does not see the output directory.
+        DistributedError: a failed run on the cluster.
         JobSpecError, TokenizerError, ...: what an actor or task raised (model load, KV memory refused).
     """
-    ray = import_ray()
-    started = connect(ray, job.ray.address)
+    ray, res = cluster.ray, cluster.resources
     bar = None
     try:
         ctx = ray.data.DataContext.get_current()
@@ -355,16 +482,13 @@ def run_units(job: JobSpec, store: ShardStore, model_path: Path, id_type, planne
         ctx.print_on_execution_start = False
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # "progress bars disabled"
-        res = actor_resources(job.ray, ray.cluster_resources())
         out_dir = store.dir.resolve()
-        probe_storage(ray, out_dir)
-
-        unit_rows = job.ray.unit_rows or job.output.shard_size
-        units = [pending[i:i + unit_rows] for i in range(0, len(pending), unit_rows)]
-        names = store.plan_units([[(row.id, k) for row, k, _ in u] for u in units], unit_rows)
+        size = unit_rows(job)
+        units = [pending[i:i + size] for i in range(0, len(pending), size)]
+        names = store.plan_units([[(row.id, k) for row, k, _ in u] for u in units], size)
         keys = {n: {(row.id, k) for row, k, _ in u} for n, u in zip(names, units)}
-        actors = min(res.actors, len(units))
-        echo(f"ray: {len(units)} unit(s) of up to {unit_rows} rows on {actors} actor(s) "
+        actors = min(res.actors, len(units))  # res is sized for the units (Cluster.prepare): equal
+        echo(f"ray: {len(units)} unit(s) of up to {size} rows on {actors} actor(s) "
              f"({res.num_cpus:g} CPU, {res.num_gpus:g} GPU, {res.threads} thread(s) each)")
         remote = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "runtime_env": {"env_vars": actor_env(res)}}
         job_dict = job.to_dict()
@@ -414,8 +538,6 @@ def run_units(job: JobSpec, store: ShardStore, model_path: Path, id_type, planne
     finally:
         if bar is not None:
             bar.close()
-        if started:
-            ray.shutdown()
 
 
 def _rates(summary, elapsed: float) -> str:

@@ -1,8 +1,10 @@
 """``executor: ray`` on a local Ray cluster (one per test session: 2 CPUs, a 200 MB object store) with a
 tiny random-weight model: two actors give the rows of a local run; an actor that dies mid-unit costs no
-row and duplicates none; a driver SIGKILLed mid-run resumes from the manifest; a unit shard written but
-not committed is adopted; and without Ray the job fails with one line. Each Ray test has a time limit
-(their failure mode is a hang)."""
+row and duplicates none; a driver SIGKILLed mid-run resumes from the manifest; a ``--ray local`` driver
+stopped by SIGTERM exits 143 and resumes; a unit shard written but not committed is adopted; an
+unreachable address fails at once, touching nothing; asking for more CPUs than the cluster has is a job
+problem; the actors' resources are sized for the units; and without Ray the job fails with one line. Each
+Ray test has a time limit (their failure mode is a hang)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +29,8 @@ import pipeline  # noqa: F401  (OpenBLAS before tiny_model imports mlx.core, as 
 from conftest import ROOT
 from tiny_model import write_tiny_model
 
-from pipeline.jobspec import job_from_dict
+from pipeline.distributed import ResourceError, actor_resources
+from pipeline.jobspec import JobSpecError, RaySpec, job_from_dict
 from pipeline.runner import run_job
 from pipeline.shards import keys_digest
 
@@ -124,6 +128,22 @@ def committed(out: Path) -> dict[tuple, dict]:
             rows[key] = r
     assert len(rows) == manifest["rows"]
     return rows
+
+
+def write_job(path: Path, spec: dict) -> Path:
+    path.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    return path
+
+
+def pipeline_cmd(*args) -> list[str]:
+    return [str(Path(sys.executable).with_name("pipeline")), *map(str, args)]
+
+
+def rows_committed(out: Path) -> int:
+    try:
+        return json.loads((out / "manifest.json").read_text())["rows"]
+    except (FileNotFoundError, ValueError):
+        return 0
 
 
 def assert_clean(out: Path) -> None:
@@ -226,6 +246,97 @@ def test_a_unit_shard_written_but_not_committed_is_adopted(ray_address, tiny_mod
     assert_clean(out)
 
 
+def test_sigterm_stops_a_ray_local_driver_with_143_and_it_resumes(ray_address, tiny_model, prompts, tmp_path):
+    """``ray.init`` installs its own SIGTERM handler (exit 15, a crash dump); the driver's must win."""
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, prompts, out)
+    spec["generation"]["max_tokens"] = 48  # long enough to stop it mid-run
+    job = write_job(tmp_path / "job.yaml", spec)
+    proc = subprocess.Popen(pipeline_cmd("run", job, "--ray", "local", "--no-progress"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while rows_committed(out) < UNIT:  # the first unit committed
+            assert proc.poll() is None, f"the run ended before it could be stopped:\n{proc.communicate()}"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "SIGTERM: stopping; the units committed so far are kept" in stderr, stderr[-3000:]
+    assert "SIGTERM received" not in stderr  # Ray's crash dump
+    assert re.search(r"aborted \(SIGTERM\): \d+/48 rows committed", stdout), stdout
+    before = committed(out)  # each committed row once
+    assert UNIT <= len(before) < ROWS, "the run was not stopped mid-run"
+    record = json.loads((out / "manifest.json").read_text())["runs"][-1]
+    assert record["interrupted"] == "SIGTERM" and record["rows_written"] == len(before)
+
+    assert run_job(job_from_dict(spec), progress=False, echo=lambda _: None).complete  # on the session's cluster
+    after = committed(out)
+    assert sorted(after) == sorted((f"row-{i:02d}", 0) for i in range(ROWS))  # every row, once
+    assert all(after[k] == before[k] for k in before)
+    assert_clean(out)
+
+
+def test_an_unreachable_address_fails_at_once_touching_nothing(tiny_model, prompts, tmp_path):
+    pytest.importorskip("ray.data")
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, prompts, out)
+    local = job_from_dict({**spec, "executor": "local"})
+    assert run_job(local, limit=8, progress=False, echo=lambda _: None).rows_written == 8
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    done = subprocess.run(pipeline_cmd("run", write_job(tmp_path / "job.yaml", spec), "--ray", f"127.0.0.1:{port}",
+                                       "--no-progress"), cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert time.monotonic() - t0 < 30
+    assert done.returncode == 1, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [(f"error: ray.address / --ray '127.0.0.1:{port}': nothing accepts connections at "
+                       f"127.0.0.1:{port} (Connection refused); start the cluster there (ray start --head) or fix "
+                       "the address")], done.stderr
+    assert "RAY_AUTH_MODE" not in done.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no run record, no shard touched
+
+
+def test_more_cpus_than_the_cluster_has_is_a_job_problem(ray_address, tiny_model, prompts, tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    spec = job_dict(tiny_model, prompts, tmp_path / "out")
+    spec["ray"]["num_cpus"] = 64
+    result = CliRunner().invoke(main, ["run", str(write_job(tmp_path / "job.yaml", spec)), "--no-progress"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == ("error: ray: 2 actor(s) x 64 CPU need 128 CPU(s), the cluster has 2; lower ray.actors or "
+                             "ray.num_cpus\n")
+    assert not (tmp_path / "out" / "manifest.json").exists()  # refused before the run is recorded
+
+
+def test_actor_resources_are_sized_for_the_actors_that_run():
+    two_cpus = {"CPU": 2.0}
+    assert actor_resources(RaySpec(), two_cpus, units=12) == actor_resources(RaySpec(), two_cpus)
+    res = actor_resources(RaySpec(), two_cpus, units=12)
+    assert (res.actors, res.num_cpus, res.num_gpus, res.threads) == (2, 0.75, 0.0, 1)
+    res = actor_resources(RaySpec(), two_cpus, units=1)  # one unit: one actor with the CPUs of two
+    assert (res.actors, res.num_cpus, res.num_gpus, res.threads) == (1, 1.5, 0.0, 2)
+    res = actor_resources(RaySpec(actors=2), two_cpus, units=1)
+    assert (res.actors, res.num_cpus, res.threads) == (1, 1.5, 2)
+    res = actor_resources(RaySpec(num_cpus=0.5), two_cpus, units=1)  # set in the job: kept
+    assert (res.actors, res.num_cpus, res.threads) == (1, 0.5, 2)
+    res = actor_resources(RaySpec(), {"CPU": 16.0, "GPU": 4.0}, units=3)
+    assert (res.actors, res.num_cpus, res.num_gpus, res.threads) == (3, 1.0, 1.0, 1)
+    with pytest.raises(ResourceError, match=r"^ray: 1 actor\(s\) x 1 GPU need 1 GPU\(s\), the cluster has 0; lower "
+                                            r"ray.actors or ray.num_gpus$") as e:
+        actor_resources(RaySpec(num_gpus=1), two_cpus, units=1)
+    assert isinstance(e.value, JobSpecError)  # the CLI's exit 2
+
+
 def test_executor_ray_without_ray_is_one_error_line(tmp_path, tiny_model, prompts, monkeypatch):
     from click.testing import CliRunner
 
@@ -236,5 +347,6 @@ def test_executor_ray_without_ray_is_one_error_line(tmp_path, tiny_model, prompt
     job.write_text(yaml.safe_dump(job_dict(tiny_model, prompts, tmp_path / "out")), encoding="utf-8")
     result = CliRunner().invoke(main, ["run", str(job), "--no-progress"])
     assert result.exit_code == 1
-    assert result.stderr == "error: executor: ray needs Ray Data: pip install 'pipeline[ray]'\n"
+    assert result.stderr == (f'error: executor: ray needs Ray Data: pip install -e "{ROOT}[ray]" (the ray extra of '
+                             'this checkout)\n')
     assert not (tmp_path / "out").exists()
