@@ -20,9 +20,13 @@ def job_status(out_dir: str | Path) -> dict:
         A dict: ``rows_done`` (committed output rows), ``rows_failed`` (committed with ``error`` set),
         ``rows_pending`` (output rows of the job's input not yet committed; None with ``pending_error``
         when the input cannot be read), ``completion_tokens``, ``mean_decode_tps`` (mean of the rows'
-        decode tok/s), ``generation_s`` (seconds the runs spent generating), ``throughput_tps``
-        (completion tokens / generation_s), ``eta_s`` (pending rows x mean seconds per committed row),
-        ``runs``, ``complete`` (no row pending; the last run's own flag when the input cannot be read), ``shards`` and ``fingerprint`` (a short summary).
+        decode tok/s), ``generation_s`` (wall seconds the runs that recorded their end spent generating),
+        ``throughput_tps`` (the completion tokens of those runs / generation_s), ``runs_unrecorded`` (runs
+        that ended without recording it, e.g. killed: their rows are committed, their time is unknown,
+        so neither counts in ``throughput_tps``), ``eta_s`` (pending rows x wall seconds per row of
+        those runs; without any, the mean of the committed rows' ``total_s``), ``runs``, ``complete``
+        (no row pending; the last run's own flag when the input cannot be read), ``shards`` and
+        ``fingerprint`` (a short summary).
 
     Raises:
         OutputError: no manifest in ``out_dir``, or an unreadable one.
@@ -33,6 +37,7 @@ def job_status(out_dir: str | Path) -> dict:
         raise OutputError(f"{out_dir}: no manifest.json (not a pipeline output directory, or nothing committed yet)")
     table = read_committed(out_dir, manifest, _COLUMNS)
     runs = manifest.get("runs", [])
+    timed = [r for r in runs if _recorded(r)]
     done = 0 if table is None else table.num_rows
     status = {
         "out_dir": str(out_dir),
@@ -40,8 +45,9 @@ def job_status(out_dir: str | Path) -> dict:
         "rows_failed": 0 if table is None else table.num_rows - table.column("error").null_count,
         "completion_tokens": 0 if table is None else int(pc.sum(table.column("completion_tokens")).as_py() or 0),
         "mean_decode_tps": None if table is None else pc.mean(table.column("decode_tps")).as_py(),
-        "generation_s": sum(r.get("elapsed_s") or 0.0 for r in runs),
+        "generation_s": sum(r["elapsed_s"] for r in timed),
         "runs": len(runs),
+        "runs_unrecorded": len(runs) - len(timed),
         "complete": bool(manifest.get("complete")),
         "shards": len(manifest["shards"]),
         "fingerprint": fingerprint_summary(manifest.get("fingerprint", {})),
@@ -49,7 +55,9 @@ def job_status(out_dir: str | Path) -> dict:
         "pending_error": None,
         "eta_s": None,
     }
-    status["throughput_tps"] = (status["completion_tokens"] / status["generation_s"]) if status["generation_s"] else None
+    timed_tokens = sum(r["completion_tokens"] for r in timed)
+    timed_rows = sum(r["rows_written"] for r in timed)
+    status["throughput_tps"] = timed_tokens / status["generation_s"] if status["generation_s"] > 0 else None
     try:
         job = job_from_dict(manifest["info"]["job"])
         rows, _ = read_rows(job.input)
@@ -63,10 +71,19 @@ def job_status(out_dir: str | Path) -> dict:
     status["complete"] = status["rows_pending"] == 0  # the manifest's flag covers only a run's --limit
     if status["rows_pending"] == 0:
         status["eta_s"] = 0.0
+    elif timed_rows and status["generation_s"] > 0:  # wall time: rows overlap in batched mode and on Ray
+        status["eta_s"] = status["rows_pending"] * status["generation_s"] / timed_rows
     elif done:
         per_row = (pc.sum(table.column("total_s")).as_py() or 0.0) / done
         status["eta_s"] = status["rows_pending"] * per_row
     return status
+
+
+def _recorded(run: dict) -> bool:
+    """Whether a run record has the end of its run: generation seconds, rows and tokens (a run killed
+    with SIGKILL, or still going, has only its start)."""
+    return "finished" in run and all(isinstance(run.get(k), (int, float)) for k in
+                                     ("elapsed_s", "rows_written", "completion_tokens"))
 
 
 def fingerprint_summary(fp: dict) -> str:
@@ -99,11 +116,13 @@ def format_status(st: dict) -> str:
     tput = f"{st['throughput_tps']:.1f} tok/s" if st["throughput_tps"] else "n/a"
     mean = f"{st['mean_decode_tps']:.1f} tok/s" if st["mean_decode_tps"] else "n/a"
     state = "complete" if st["complete"] else "incomplete"
+    untimed = st.get("runs_unrecorded") or 0
+    unrecorded = f" ({untimed} run(s) ended unrecorded, e.g. killed: not counted)" if untimed else ""
     return "\n".join([
         f"{st['out_dir']}: {state}, {st['shards']} shard(s), {st['runs']} run(s)",
         f"rows: {st['rows_done']} done ({st['rows_failed']} failed), {pending} pending",
-        f"tokens: {st['completion_tokens']} generated; {tput} over {_duration(st['generation_s'])} of generation; "
-        f"mean per-row decode {mean}",
+        (f"tokens: {st['completion_tokens']} generated; {tput} over {_duration(st['generation_s'])} of generation"
+         f"{unrecorded}; mean per-row decode {mean}"),
         f"eta: {_duration(st['eta_s']) if st['eta_s'] is not None else ('0s' if st['rows_pending'] == 0 else 'unknown')}",
         f"fingerprint: {st['fingerprint']}",
     ])

@@ -1,0 +1,78 @@
+"""``pipeline status`` (``pipeline.status.job_status``) after a run that ended without recording its end (killed
+with SIGKILL): its rows count as done, but neither its rows nor its tokens enter the tok/s and the ETA, which
+come from the runs that recorded both their tokens and their time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import pipeline  # noqa: F401  (OpenBLAS before tiny_model imports mlx.core, as in `pipeline run`)
+
+# isort: split
+from tiny_model import write_tiny_model
+
+from pipeline.jobspec import job_from_dict
+from pipeline.runner import run_job
+from pipeline.status import format_status, job_status
+
+ROWS = 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def job(tiny: Path, tmp: Path):
+    data = tmp / "in.parquet"
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(ROWS)], "prompt": [f"Say {i} words." for i in range(ROWS)]}),
+                   data)
+    return job_from_dict({
+        "model": str(tiny),
+        "input": {"path": str(data), "id_column": "id", "prompt_column": "prompt"},
+        "generation": {"max_tokens": 8, "temperature": 0.7, "seed": 3},
+        "output": {"dir": str(tmp / "out"), "shard_size": 2},
+    })
+
+
+def test_a_killed_run_does_not_count_in_the_rate(tiny, tmp_path):
+    spec = job(tiny, tmp_path)
+    out = tmp_path / "out"
+    assert run_job(spec, limit=2, progress=False, echo=lambda _: None).rows_written == 2
+    assert run_job(spec, limit=4, progress=False, echo=lambda _: None).rows_written == 2
+    manifest = json.loads((out / "manifest.json").read_text())
+    first, second = manifest["runs"]
+    # The second run as a SIGKILL leaves it: its rows committed, its record holding only its start.
+    manifest["runs"][1] = {k: second[k] for k in ("started", "rows_pending", "retry_failed", "force", "executor")}
+    manifest["complete"] = False
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+    st = job_status(out)
+    assert (st["rows_done"], st["rows_pending"], st["runs"], st["runs_unrecorded"]) == (4, 2, 2, 1)
+    assert st["completion_tokens"] == first["completion_tokens"] + second["completion_tokens"]
+    assert st["generation_s"] == pytest.approx(first["elapsed_s"])
+    assert st["throughput_tps"] == pytest.approx(first["completion_tokens"] / first["elapsed_s"])
+    assert st["eta_s"] == pytest.approx(2 * first["elapsed_s"] / first["rows_written"])
+    assert "(1 run(s) ended unrecorded, e.g. killed: not counted)" in format_status(st)
+
+
+def test_without_a_recorded_run_the_eta_comes_from_the_rows(tiny, tmp_path):
+    spec = job(tiny, tmp_path)
+    out = tmp_path / "out"
+    run_job(spec, limit=3, progress=False, echo=lambda _: None)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["runs"] = [{k: manifest["runs"][0][k] for k in ("started", "rows_pending")}]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    total_s = sum(pq.read_table(out / s["file"], columns=["total_s"]).column(0).to_pylist()[i]
+                  for s in manifest["shards"] for i in range(s["rows"]))
+
+    st = job_status(out)
+    assert (st["rows_done"], st["rows_pending"], st["runs_unrecorded"]) == (3, 3, 1)
+    assert st["generation_s"] == 0 and st["throughput_tps"] is None
+    assert st["eta_s"] == pytest.approx(3 * total_s / 3)
+    assert "n/a over 0m00s of generation (1 run(s) ended unrecorded" in format_status(st)
