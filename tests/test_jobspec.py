@@ -137,6 +137,7 @@ def test_section_must_be_a_mapping():
         (minimal(engine={"dequantize": "yes"}), "engine.dequantize"),
         (minimal(engine={"dtype": "int8"}), "engine.dtype"),
         (minimal(engine={"prefill_step_size": 0}), "engine.prefill_step_size"),
+        (minimal(engine={"fused": "yes"}), "engine.fused"),
         (minimal(input={"path": "x", "limit": 0}), "input.limit"),
     ],
 )
@@ -282,3 +283,14 @@ def test_bad_max_tokens_is_one_problem_not_two():
     with pytest.raises(JobSpecError) as e:
         with_overrides(GenerationSpec(), {"max_tokens": -3})
     assert str(e.value) == "input column 'max_tokens' must be >= 1, got -3"
+
+
+def test_engine_fused_auto_leaves_the_fingerprint_as_before():
+    """Output dirs written before engine.fused existed resume: "auto" adds nothing to the fingerprint;
+    an explicit setting is recorded."""
+    from pipeline.runner import fingerprint
+
+    assert "fused" not in fingerprint(job_from_dict(minimal()), {"sha256": "x"})["engine"]
+    off = job_from_dict(minimal(engine={"fused": False}))
+    assert off.engine.fused is False
+    assert fingerprint(off, {"sha256": "x"})["engine"]["fused"] is False
