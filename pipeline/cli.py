@@ -119,8 +119,8 @@ def run(job_file, output_dir, limit, force, no_progress, retry_failed, failed_ex
 
 def validate_job(job_file: str) -> tuple[list[Exception], str]:
     """Every problem with a job found without loading the model: the job file, the model spec's form, the
-    input files and columns, and the output dir (foreign files, or another job's results: comparing with
-    those resolves the model, which may download it).
+    input files and columns, the output dir (foreign files, or another job's results: comparing with
+    those resolves the model, which may download it), and for ``executor: ray`` whether Ray Data imports.
 
     Returns:
         (problems, summary): the problems (``JOB_ERRORS``) and, when there are none, the ok line
@@ -152,6 +152,13 @@ def validate_job(job_file: str) -> tuple[list[Exception], str]:
     except ModelResolveError:
         if model_ok:
             raise  # a well-formed spec that cannot be fetched; a bad one is reported above
+    if job.executor == "ray":
+        from .distributed import import_ray
+
+        try:
+            import_ray()
+        except DistributedError as e:
+            problems.append(e)
     if problems:
         return problems, ""
     n_out = len(plan_samples(job, rows))

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .export import read_committed
-from .status import job_status
+from .status import job_status, run_recorded
 
 # Chart files, written beside the HTML page: file name -> alt text.
 CHARTS = {
@@ -41,11 +41,14 @@ def summary_numbers(manifest: dict, table: pa.Table | None) -> dict:
         ``rows`` (committed output rows), ``failed`` (rows with ``error`` set), ``completion_tokens`` and
         ``prompt_tokens`` (sums), ``mean_decode_tps`` (mean of the rows' decode tok/s; None without a
         successful row), ``row_seconds`` (sum of the rows' ``total_s``), ``generation_seconds`` (wall
-        seconds the runs spent generating, from the manifest), ``throughput_tps`` (completion tokens /
-        generation_seconds; None when 0) and ``runs``.
+        seconds the runs that recorded their end spent generating, from the manifest),
+        ``throughput_tps`` (those runs' completion tokens / generation_seconds; None when 0: a run killed
+        without its record counts neither its tokens nor its time, as in ``pipeline status``) and ``runs``.
     """
     runs = manifest.get("runs", [])
-    gen_s = float(sum(r.get("elapsed_s") or 0.0 for r in runs))
+    timed = [r for r in runs if run_recorded(r)]
+    gen_s = float(sum(r["elapsed_s"] for r in timed))
+    timed_tokens = sum(r["completion_tokens"] for r in timed)
     if table is None:
         return {"rows": 0, "failed": 0, "completion_tokens": 0, "prompt_tokens": 0, "mean_decode_tps": None,
                 "row_seconds": 0.0, "generation_seconds": gen_s, "throughput_tps": None, "runs": len(runs)}
@@ -58,7 +61,7 @@ def summary_numbers(manifest: dict, table: pa.Table | None) -> dict:
         "mean_decode_tps": pc.mean(table.column("decode_tps")).as_py(),
         "row_seconds": float(pc.sum(table.column("total_s")).as_py() or 0.0),
         "generation_seconds": gen_s,
-        "throughput_tps": tokens / gen_s if gen_s > 0 else None,
+        "throughput_tps": timed_tokens / gen_s if gen_s > 0 else None,
         "runs": len(runs),
     }
 

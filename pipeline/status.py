@@ -37,7 +37,7 @@ def job_status(out_dir: str | Path) -> dict:
         raise OutputError(f"{out_dir}: no manifest.json (not a pipeline output directory, or nothing committed yet)")
     table = read_committed(out_dir, manifest, _COLUMNS)
     runs = manifest.get("runs", [])
-    timed = [r for r in runs if _recorded(r)]
+    timed = [r for r in runs if run_recorded(r)]
     done = 0 if table is None else table.num_rows
     status = {
         "out_dir": str(out_dir),
@@ -79,7 +79,7 @@ def job_status(out_dir: str | Path) -> dict:
     return status
 
 
-def _recorded(run: dict) -> bool:
+def run_recorded(run: dict) -> bool:
     """Whether a run record has the end of its run: generation seconds, rows and tokens (a run killed
     with SIGKILL, or still going, has only its start)."""
     return "finished" in run and all(isinstance(run.get(k), (int, float)) for k in

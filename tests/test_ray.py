@@ -350,3 +350,17 @@ def test_executor_ray_without_ray_is_one_error_line(tmp_path, tiny_model, prompt
     assert result.stderr == (f'error: executor: ray needs Ray Data: pip install -e "{ROOT}[ray]" (the ray extra of '
                              'this checkout)\n')
     assert not (tmp_path / "out").exists()
+
+
+def test_validate_reports_missing_ray(tmp_path, tiny_model, prompts, monkeypatch):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tiny_model, prompts, tmp_path / "out")), encoding="utf-8")
+    result = CliRunner().invoke(main, ["validate", str(job)])
+    assert result.exit_code == 2
+    assert "executor: ray needs Ray Data" in result.stderr
+    assert not (tmp_path / "out").exists()
