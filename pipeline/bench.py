@@ -39,6 +39,7 @@ from . import _blas
 from .engine import Engine, GenerateParams
 from .loader import compute_dtype, should_dequantize
 from .models import FAMILIES, build_model, dequantize_model, dequantized_nbytes
+from .fused import fused_blocker
 from .models.base import fuse_projections
 
 SCHEMA = "pipeline.bench/1"
@@ -483,6 +484,10 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                 engine = Engine(ours, eos_token_ids=[], context_length=context, **kwargs)
             except (ValueError, NotImplementedError) as e:
                 skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"], "reason": str(e)})
+                continue
+            if variant == "fused" and engine.fused is None:
+                skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"],
+                                "reason": f"no fused step: {fused_blocker(ours, engine.cache)}"})
                 continue
             windows = _kv_layout(args, kind["max_kv_size"])
             for n in prompt_tokens:

@@ -258,3 +258,19 @@ def test_distinct_prompts():
 def test_batch_mode_rejects(kwargs):
     with pytest.raises(bench.BenchError):
         bench.run_batch_bench(random="tiny", **{"batch_sizes": (1,), **kwargs}, echo=lambda _s: None)
+
+
+def test_fused_variant_runs_only_where_the_fused_step_exists():
+    """--variants fused: on the CPU (no CUDA backend) the row is listed as skipped with the reason and no
+    generation runs; on CUDA the row is fused."""
+    import mlx.core as mx
+
+    doc = bench.run_bench(random="tiny", prompt_tokens=(8,), max_tokens=3, trials=1, variants=("fused",),
+                          peer=False, echo=lambda _s: None)
+    if mx.cuda.is_available():
+        assert [r["fused"] for r in doc["rows"]] == [True]
+    else:
+        assert doc["rows"] == []
+        assert [s["reason"] for s in doc["skipped"]] == ["no fused step: not on MLX's CUDA backend"]
+    with pytest.raises(bench.BenchError, match="unknown variant 'fast'"):
+        bench.run_bench(random="tiny", prompt_tokens=(8,), variants=("fast",), peer=False, echo=lambda _s: None)
