@@ -322,7 +322,7 @@ class _Signals:
         name = "SIGINT" if signum == signal.SIGINT else "SIGTERM"
         if self.what == "units":
             self.first = self.first or name
-            self.say(f"{name}: stopping; the units committed so far are kept, units in flight are redone on resume")
+            self.say(f"{name}: stopping; the units committed so far are kept, units in flight are redone or adopted on resume")
             raise Aborted(name)
         if self.first is None:
             self.first = name
