@@ -382,19 +382,21 @@ class _UnitWorker:
         self.lm = None
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.batch_closures = 0
+        self.warmup_s = 0.0
 
     def __call__(self, batch: dict) -> dict:
         """Run the units of ``batch`` (one, with ``batch_size=1``); returns one record per unit. An
         exception is returned in the record's ``error`` column (pickled) for the driver to raise as
         itself: Ray Data would pass on only its text. A dying actor returns nothing; Ray reruns its unit."""
-        out = {k: [] for k in ("unit", "entry", "failed", "tokens", "seconds", "worker", "closures", "error")}
+        out = {k: [] for k in ("unit", "entry", "failed", "tokens", "seconds", "worker", "closures", "warmup_s",
+                               "error")}
         for unit, payload in zip(batch["unit"], batch["samples"]):
             unit = str(unit)
             try:
                 rec = self._run(unit, pickle.loads(payload))
                 error = b""
             except Exception as e:  # noqa: BLE001 (any error stops the run, raised by the driver)
-                rec = {"entry": "", "failed": 0, "tokens": 0, "seconds": 0.0, "closures": 0}
+                rec = {"entry": "", "failed": 0, "tokens": 0, "seconds": 0.0, "closures": 0, "warmup_s": 0.0}
                 error = _pickled(e)
             for k, v in {**rec, "unit": unit, "worker": self.name, "error": error}.items():
                 out[k].append(v)
@@ -412,6 +414,7 @@ class _UnitWorker:
                                    "actors' logs (ray logs, or the Ray dashboard)")
         if self.lm is None:
             self.lm = _load(self.job, self.model_path)
+            self.warmup_s = self.lm.warm_up()  # kernel compilation stays out of the rows' statistics
         order = {(row.id, k): i for i, (row, k, _) in enumerate(samples)}
         crash_at = _crash_after(unit, len(samples))
         results = []
@@ -429,7 +432,7 @@ class _UnitWorker:
         attempts.unlink(missing_ok=True)
         return {"entry": json.dumps(entry), "failed": sum(r.error is not None for r in results),
                 "tokens": sum(r.completion_tokens or 0 for r in results), "seconds": time.perf_counter() - t0,
-                "closures": self.lm.engine.closure_count + self.batch_closures}
+                "closures": self.lm.engine.closure_count + self.batch_closures, "warmup_s": self.warmup_s}
 
 
 def _pickled(e: Exception) -> bytes:
@@ -521,7 +524,8 @@ def run_units(cluster: Cluster, job: JobSpec, store: ShardStore, model_path: Pat
                 summary.completion_tokens += int(rec["tokens"])
                 w = summary.workers.setdefault(rec["worker"], {"units": 0, "rows": 0, "tokens": 0, "seconds": 0.0})
                 w.update(units=w["units"] + 1, rows=w["rows"] + entry["rows"], tokens=w["tokens"] + int(rec["tokens"]),
-                         seconds=w["seconds"] + float(rec["seconds"]), closures=int(rec["closures"]))
+                         seconds=w["seconds"] + float(rec["seconds"]), closures=int(rec["closures"]),
+                         warmup_s=max(w.get("warmup_s", 0.0), float(rec["warmup_s"])))
                 bar.set_postfix_str(_rates(summary, time.perf_counter() - t0), refresh=False)
                 bar.update(entry["rows"])
         finally:

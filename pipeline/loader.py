@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -110,6 +111,17 @@ class LoadedModel:
             tokenizer=tokenizer,
             fused=fused,
         )
+
+    def warm_up(self) -> float:
+        """Generate 3 tokens from an 8-token prompt and return the wall seconds it took: the first use
+        of a model compiles its kernels (MLX's CUDA backend: NVRTC, tens of seconds on an H200) and traces
+        the decode step, which should not land in the first row's statistics. The caches are reset
+        before the next generation, so nothing of it reaches later rows. A batched engine's step is
+        traced on its own first step, not here."""
+        t = time.perf_counter()
+        prompt = [self.tokenizer.bos_token_id or 0] + [min(i, self.model.args.vocab_size - 1) for i in range(1, 8)]
+        self.engine.generate(prompt, GenerateParams(max_tokens=3, ignore_eos=True))
+        return time.perf_counter() - t
 
     def logprobs(self, token_ids: list[int]) -> np.ndarray:
         """Natural-log next-token probabilities after ``token_ids``: numpy float32, shape ``(vocab,)``."""

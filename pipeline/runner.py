@@ -53,7 +53,7 @@ class RunSummary:
         interrupted: None, "SIGINT" or "SIGTERM".
         aborted: a second signal stopped the run at once; finished rows not yet committed were dropped.
         workers: ``executor: ray``: per Ray actor (``host:pid``), the units, rows, completion tokens and
-            seconds of the units it ran; empty in local mode.
+            seconds of the units it ran and its warm-up seconds (``warmup_s``); empty in local mode.
     """
 
     out_dir: Path
@@ -420,6 +420,7 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, 
         return _finish(summary, store, run_record)
 
     lm = load_job_model(job, path)
+    run_record["warmup_s"] = round(lm.warm_up(), 3)  # kernel compilation: not in the first row's statistics
     schema = result_schema(id_type)
     buffer: list[Result] = []
     last_flush = time.monotonic()
@@ -587,7 +588,8 @@ def _finish(summary: RunSummary, store: ShardStore, run_record: dict) -> RunSumm
                       completion_tokens=summary.completion_tokens, elapsed_s=round(summary.elapsed_s, 3),
                       interrupted=summary.interrupted, aborted=summary.aborted)
     if summary.workers:
-        run_record["workers"] = {k: {**w, "seconds": round(w["seconds"], 3)} for k, w in summary.workers.items()}
+        run_record["workers"] = {k: {**w, "seconds": round(w["seconds"], 3), "warmup_s": round(w.get("warmup_s", 0.0), 3)}
+                                 for k, w in summary.workers.items()}
     store.manifest["complete"] = summary.complete
     store.save()
     return summary

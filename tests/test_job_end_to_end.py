@@ -180,3 +180,11 @@ def test_killed_run_resumes_without_loss_or_duplicates(full_run, tmp_path, sig, 
     assert sorted(ids) == sorted(set(ids)) and len(ids) == 32
     assert completions(table) == completions(read_output(full_out))
     assert not list(out.glob(".*.tmp"))
+
+
+def test_run_record_has_the_warm_up(full_run):
+    """The model is warmed up once before the first row (kernel compilation out of the rows' stats) and
+    the run record says how long that took."""
+    out, _ = full_run
+    run = json.loads((out / "manifest.json").read_text())["runs"][0]
+    assert isinstance(run["warmup_s"], float) and 0 < run["warmup_s"] < run["elapsed_s"] + 60

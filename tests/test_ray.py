@@ -164,6 +164,8 @@ def test_two_actors_give_the_rows_of_a_local_run(ray_address, tiny_model, prompt
     manifest = json.loads((out / "manifest.json").read_text())
     assert [s["file"] for s in manifest["shards"]] != [] and all(s["file"].startswith("unit-") for s in manifest["shards"])
     assert manifest["plan"]["units"] == {}  # every planned unit committed
+    workers = manifest["runs"][-1]["workers"]
+    assert len(workers) == 2 and all(w["warmup_s"] > 0 for w in workers.values())  # each actor warmed up once
     assert_clean(out)
 
 
