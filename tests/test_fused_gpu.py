@@ -140,3 +140,57 @@ def test_fused_blocker_off_cuda_or_unsupported_caches():
 def test_model_blocker_names_the_reason():
     model = make_model(model_type="qwen3")
     assert "qwen3" in model_blocker(model)
+
+
+class _RecordingKernel:
+    """Stands in for ``mx.fast.cuda_kernel`` on machines without CUDA: records each launch (name, grid,
+    threadgroup, input names and shapes) and returns zeros of the declared outputs."""
+
+    launches: list = []
+
+    def __init__(self, name, input_names, output_names, source, header="", **_):
+        self.name, self.input_names, self.source = name, input_names, source
+
+    def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
+        assert len(inputs) == len(self.input_names), self.name
+        _RecordingKernel.launches.append({"name": self.name, "grid": grid, "threadgroup": threadgroup,
+                                          "inputs": dict(zip(self.input_names, (a.shape for a in inputs)))})
+        return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+
+@pytest.mark.parametrize("case", [dict(), dict(model_type="qwen2", tie_word_embeddings=False, bits=8, group_size=32)],
+                         ids=["llama", "qwen2-q8"])
+def test_launch_plan_covers_every_output(case, monkeypatch):
+    """The host side of the fused step (runs anywhere): per token one embedding launch, five per layer,
+    one vocab launch; every GEMV grid covers its output rows, the attention grid one 128-key block per
+    (chunk, head) of the context, and each kernel gets the arrays its source names."""
+    import pipeline.fused as fused
+
+    model = make_model(**case)
+    monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
+    _RecordingKernel.launches = []
+    dec = FusedDecoder(model)
+    caches, _ = prefilled(model, list(range(1, 200)))
+    dec.prepare(caches, 210)
+    logits = dec.step(mx.array([5], mx.uint32), mx.array([199], mx.int32), 199, caches)
+    assert logits.shape == (1, model.args.vocab_size)
+    names = [k["name"] for k in _RecordingKernel.launches]
+    layers = model.args.num_hidden_layers
+    assert names == ["pl_embed"] + ["pl_qkv", "pl_attn", "pl_gemv_residual", "pl_gemv_swiglu",
+                                    "pl_gemv_residual"] * layers + ["pl_gemv_norm"]
+    H, KVH, D = dec.n_heads, dec.n_kv_heads, dec.head_dim
+    for k in _RecordingKernel.launches:
+        blocks = k["grid"][0] // k["threadgroup"][0]
+        warps = blocks * k["threadgroup"][0] // 32
+        if k["name"] == "pl_qkv":
+            assert warps >= (H + 2 * KVH) * D // 2  # a warp per rotation pair
+            assert k["inputs"]["kc"] == caches[0].keys.shape and caches[0].keys.shape[2] >= 200
+        elif k["name"] == "pl_attn":
+            assert k["grid"] == (2 * 128, H, 1)  # 200 keys: two chunks of 128, for every head
+        elif k["name"] == "pl_gemv_swiglu":
+            assert warps * fused.units_per_warp(2 * model.args.intermediate_size, "swiglu") >= \
+                model.args.intermediate_size
+        elif k["name"].startswith("pl_gemv"):
+            rows = model.args.vocab_size if k["name"] == "pl_gemv_norm" else model.args.hidden_size
+            assert warps * fused.units_per_warp(rows, k["name"][8:]) >= rows
+    assert dec._scratch.size >= H * 2 * (D + 2)
