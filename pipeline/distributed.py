@@ -33,6 +33,7 @@ file MARKER. Every ``PIPELINE_*`` variable of the driver is passed to the actors
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -458,11 +459,14 @@ def _root_cause(e: BaseException) -> BaseException:
 
 
 def run_units(cluster: Cluster, job: JobSpec, store: ShardStore, model_path: Path, id_type, planned: list,
-              pending: list, retry: set, summary, *, progress: bool = True, echo=print) -> None:
+              pending: list, retry: set, summary, *, hold=contextlib.nullcontext, progress: bool = True,
+              echo=print) -> None:
     """Generate ``pending`` samples on Ray and commit them unit by unit (see the module docstring),
     updating ``summary`` (a ``runner.RunSummary``: rows written and failed, tokens, seconds, closures,
     per-actor ``workers``). A signal stops it through ``runner._Signals`` (``Aborted``): the units
-    committed are kept; units in flight are redone, or their shards adopted, by the next run.
+    committed are kept; units in flight are redone, or their shards adopted, by the next run. ``hold()``
+    (``runner._Signals.holding``) wraps each unit's commit and counting, so a stop falls before or after
+    both, never between.
 
     Args:
         cluster: the connected cluster (``open_cluster``), after ``Cluster.prepare`` for ``pending``.
@@ -518,14 +522,16 @@ def run_units(cluster: Cluster, job: JobSpec, store: ShardStore, model_path: Pat
                     raise pickle.loads(rec["error"])
                 unit = rec["unit"]
                 entry = json.loads(rec["entry"])
-                store.commit_written(entry, replaces=keys[unit] & retry)
-                summary.rows_written += entry["rows"]
-                summary.rows_failed += int(rec["failed"])
-                summary.completion_tokens += int(rec["tokens"])
-                w = summary.workers.setdefault(rec["worker"], {"units": 0, "rows": 0, "tokens": 0, "seconds": 0.0})
-                w.update(units=w["units"] + 1, rows=w["rows"] + entry["rows"], tokens=w["tokens"] + int(rec["tokens"]),
-                         seconds=w["seconds"] + float(rec["seconds"]), closures=int(rec["closures"]),
-                         warmup_s=max(w.get("warmup_s", 0.0), float(rec["warmup_s"])))
+                with hold():
+                    store.commit_written(entry, replaces=keys[unit] & retry)
+                    summary.rows_written += entry["rows"]
+                    summary.rows_failed += int(rec["failed"])
+                    summary.completion_tokens += int(rec["tokens"])
+                    w = summary.workers.setdefault(rec["worker"],
+                                                   {"units": 0, "rows": 0, "tokens": 0, "seconds": 0.0})
+                    w.update(units=w["units"] + 1, rows=w["rows"] + entry["rows"],
+                             tokens=w["tokens"] + int(rec["tokens"]), seconds=w["seconds"] + float(rec["seconds"]),
+                             closures=int(rec["closures"]), warmup_s=max(w.get("warmup_s", 0.0), float(rec["warmup_s"])))
                 bar.set_postfix_str(_rates(summary, time.perf_counter() - t0), refresh=False)
                 bar.update(entry["rows"])
         finally:

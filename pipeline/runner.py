@@ -317,19 +317,42 @@ class _Signals:
         self.first: str | None = None
         self.say = say
         self.what = what
+        self._held = False
+        self._pending: str | None = None
 
     def _handle(self, signum, frame):
         name = "SIGINT" if signum == signal.SIGINT else "SIGTERM"
         if self.what == "units":
             self.first = self.first or name
-            self.say(f"{name}: stopping; the units committed so far are kept, units in flight are redone or adopted on resume")
-            raise Aborted(name)
+            if self._held:
+                self._pending = name
+                return
+            self._stop_units(name)
         if self.first is None:
             self.first = name
             what = "the rows in flight" if self.what == "rows" else "the row in flight"
             self.say(f"{name}: finishing {what}, then committing; press Ctrl-C again to stop at once")
         else:
             raise Aborted(name)
+
+    def _stop_units(self, name: str):
+        self.say(f"{name}: stopping; the units committed so far are kept, units in flight are redone or adopted "
+                 "on resume")
+        raise Aborted(name)
+
+    @contextlib.contextmanager
+    def holding(self):
+        """With ``what="units"``: a signal during the block stops the run when the block ends, not inside
+        it (a unit's commit and the run's counters of it are one step: a stop never falls between the
+        manifest write and the counting)."""
+        self._held = True
+        try:
+            yield
+        finally:
+            self._held = False
+        if self._pending is not None:
+            name, self._pending = self._pending, None
+            self._stop_units(name)
 
     def __enter__(self):
         self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -411,9 +434,10 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, 
     if not pending:
         return _finish(summary, store, run_record)
     if job.executor == "ray":
-        with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "units"):
+        with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "units") as signals:
             try:
-                run_units(cluster, job, store, path, id_type, planned, pending, retry, summary, progress=progress,
+                run_units(cluster, job, store, path, id_type, planned, pending, retry, summary, hold=signals.holding,
+                          progress=progress,
                           echo=echo)
             except Aborted as e:
                 summary.interrupted, summary.aborted = str(e), True

@@ -366,3 +366,25 @@ def test_validate_reports_missing_ray(tmp_path, tiny_model, prompts, monkeypatch
     assert result.exit_code == 2
     assert "executor: ray needs Ray Data" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_stop_during_a_units_commit_waits_for_its_counting():
+    """A SIGTERM that arrives while a unit is committed and counted (``_Signals.holding``) stops the run
+    after that step, so the run record never misses rows the manifest already has."""
+    import os
+    import signal as sig
+
+    from pipeline.runner import Aborted, _Signals
+
+    said, counted = [], []
+    with _Signals(said.append, "units") as signals:
+        with pytest.raises(Aborted, match="SIGTERM"):
+            with signals.holding():
+                os.kill(os.getpid(), sig.SIGTERM)  # delivered here, at the next bytecode
+                counted.append("committed")
+                counted.append("counted")
+        assert counted == ["committed", "counted"] and signals.first == "SIGTERM"
+        with pytest.raises(Aborted, match="SIGINT"):  # outside a hold: at once
+            os.kill(os.getpid(), sig.SIGINT)
+            counted.append("never")
+    assert "never" not in counted and len(said) == 2
