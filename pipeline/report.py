@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .export import read_committed
-from .status import job_status, run_recorded
+from .status import job_status, recorded_totals
 
 # Chart files, written beside the HTML page: file name -> alt text.
 CHARTS = {
@@ -46,9 +46,8 @@ def summary_numbers(manifest: dict, table: pa.Table | None) -> dict:
         without its record counts neither its tokens nor its time, as in ``pipeline status``) and ``runs``.
     """
     runs = manifest.get("runs", [])
-    timed = [r for r in runs if run_recorded(r)]
-    gen_s = float(sum(r["elapsed_s"] for r in timed))
-    timed_tokens = sum(r["completion_tokens"] for r in timed)
+    timed = recorded_totals(runs)
+    gen_s = timed["seconds"]
     if table is None:
         return {"rows": 0, "failed": 0, "completion_tokens": 0, "prompt_tokens": 0, "mean_decode_tps": None,
                 "row_seconds": 0.0, "generation_seconds": gen_s, "throughput_tps": None, "runs": len(runs)}
@@ -61,7 +60,7 @@ def summary_numbers(manifest: dict, table: pa.Table | None) -> dict:
         "mean_decode_tps": pc.mean(table.column("decode_tps")).as_py(),
         "row_seconds": float(pc.sum(table.column("total_s")).as_py() or 0.0),
         "generation_seconds": gen_s,
-        "throughput_tps": timed_tokens / gen_s if gen_s > 0 else None,
+        "throughput_tps": timed["tokens_per_s"],
         "runs": len(runs),
     }
 

@@ -37,7 +37,7 @@ def job_status(out_dir: str | Path) -> dict:
         raise OutputError(f"{out_dir}: no manifest.json (not a pipeline output directory, or nothing committed yet)")
     table = read_committed(out_dir, manifest, _COLUMNS)
     runs = manifest.get("runs", [])
-    timed = [r for r in runs if run_recorded(r)]
+    timed = recorded_totals(runs)
     done = 0 if table is None else table.num_rows
     status = {
         "out_dir": str(out_dir),
@@ -45,9 +45,9 @@ def job_status(out_dir: str | Path) -> dict:
         "rows_failed": 0 if table is None else table.num_rows - table.column("error").null_count,
         "completion_tokens": 0 if table is None else int(pc.sum(table.column("completion_tokens")).as_py() or 0),
         "mean_decode_tps": None if table is None else pc.mean(table.column("decode_tps")).as_py(),
-        "generation_s": sum(r["elapsed_s"] for r in timed),
+        "generation_s": timed["seconds"],
         "runs": len(runs),
-        "runs_unrecorded": len(runs) - len(timed),
+        "runs_unrecorded": len(runs) - timed["runs"],
         "complete": bool(manifest.get("complete")),
         "shards": len(manifest["shards"]),
         "fingerprint": fingerprint_summary(manifest.get("fingerprint", {})),
@@ -55,9 +55,8 @@ def job_status(out_dir: str | Path) -> dict:
         "pending_error": None,
         "eta_s": None,
     }
-    timed_tokens = sum(r["completion_tokens"] for r in timed)
-    timed_rows = sum(r["rows_written"] for r in timed)
-    status["throughput_tps"] = timed_tokens / status["generation_s"] if status["generation_s"] > 0 else None
+    timed_rows = timed["rows"]
+    status["throughput_tps"] = timed["tokens_per_s"]
     try:
         job = job_from_dict(manifest["info"]["job"])
         rows, _ = read_rows(job.input)
@@ -77,6 +76,18 @@ def job_status(out_dir: str | Path) -> dict:
         per_row = (pc.sum(table.column("total_s")).as_py() or 0.0) / done
         status["eta_s"] = status["rows_pending"] * per_row
     return status
+
+
+def recorded_totals(runs: list[dict]) -> dict:
+    """Totals of the runs whose record has its end (``run_recorded``): ``runs`` (how many), ``seconds``
+    (wall seconds generating), ``rows`` (rows written), ``tokens`` (completion tokens) and ``tokens_per_s``
+    (tokens / seconds; None when no time was recorded). A run killed without its record counts neither
+    its tokens nor its time."""
+    timed = [r for r in runs if run_recorded(r)]
+    seconds = float(sum(r["elapsed_s"] for r in timed))
+    tokens = sum(r["completion_tokens"] for r in timed)
+    return {"runs": len(timed), "seconds": seconds, "rows": sum(r["rows_written"] for r in timed), "tokens": tokens,
+            "tokens_per_s": tokens / seconds if seconds > 0 else None}
 
 
 def run_recorded(run: dict) -> bool:
