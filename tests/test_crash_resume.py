@@ -13,13 +13,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from conftest import ROOT
-from tiny_model import write_tiny_model
+from tiny_model import write_prompts, write_tiny_model
 
 ROWS = 60
 SHARD = 4
@@ -45,11 +44,7 @@ def pipeline_home(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("input") / "prompts.parquet"
-    ids = [f"row-{i:02d}" for i in range(ROWS)]
-    text = [f"Item {i}: " + " ".join(["tell me more"] * (1 + i % 5)) for i in range(ROWS)]
-    pq.write_table(pa.table({"id": ids, "prompt": text}), path)
-    return path
+    return write_prompts(tmp_path_factory.mktemp("input") / "prompts.parquet", ROWS)
 
 
 def write_job(tmp: Path, model: Path, prompts: Path, n: int, batch_size: int = 1) -> Path:

@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -27,7 +26,7 @@ import pipeline  # noqa: F401  (OpenBLAS before tiny_model imports mlx.core, as 
 
 # isort: split
 from conftest import ROOT
-from tiny_model import write_tiny_model
+from tiny_model import write_prompts, write_tiny_model
 
 from pipeline.distributed import ResourceError, actor_resources
 from pipeline.jobspec import JobSpecError, RaySpec, job_from_dict
@@ -80,10 +79,7 @@ def pipeline_home(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("input") / "prompts.parquet"
-    text = [f"Item {i}: " + " ".join(["tell me more"] * (1 + i % 5)) for i in range(ROWS)]
-    pq.write_table(pa.table({"id": [f"row-{i:02d}" for i in range(ROWS)], "prompt": text}), path)
-    return path
+    return write_prompts(tmp_path_factory.mktemp("input") / "prompts.parquet", ROWS)
 
 
 def job_dict(model: Path, prompts: Path, out: Path, executor: str = "ray", batch_size: int = 1) -> dict:

@@ -66,3 +66,13 @@ def write_tiny_model(path: str | Path, *, seed: int = 0, tokenizer: Tokenizer | 
     weights = {k: v * 4 if k.endswith("proj.weight") else v for k, v in tree_flatten(model.parameters())}
     write_model_dir(path, config, weights, tok)
     return path
+
+
+def write_prompts(path: Path, rows: int) -> Path:
+    """A Parquet input of ``rows`` prompts of varied length, ids ``row-00``, ``row-01``, ..."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    text = [f"Item {i}: " + " ".join(["tell me more"] * (1 + i % 5)) for i in range(rows)]
+    pq.write_table(pa.table({"id": [f"row-{i:02d}" for i in range(rows)], "prompt": text}), path)
+    return path
