@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from .cache import KVCache, make_caches
 from .compiled import ClosureSet, decode_blocker, head, layer_capacity, layer_kind, put_head
-from .fused import FusedDecoder, fused_blocker
+from .fused import decoder_for, fused_blocker
 from .sampler import SamplerKind, sample_step, sampler_consts, sampler_state
 from .stops import StopChecker, final_text
 
@@ -139,7 +139,7 @@ class Engine:
         cache_spec: a ``pipeline.jobspec.CacheSpec`` (max_kv_size, kv_bits, ...), or None for the
             model's own layout.
         compile: decode through compiled closures: True, False, or "auto" (``compile_by_default``).
-        fused: decode through ``pipeline.fused.FusedDecoder`` (five custom CUDA kernels per layer) when
+        fused: decode through ``pipeline.fused`` (five custom CUDA kernels per layer) when
             ``fused_blocker`` allows it: "auto" or True (tried first, before ``compile``), or False.
         tokenizer: a ``pipeline.tokenizer.Tokenizer`` for completion text and stop strings (None:
             token ids only).
@@ -161,7 +161,7 @@ class Engine:
         self.closures = ClosureSet(model)
         self._logged: set[str] = set()
         reason = fused_blocker(model, self.cache) if fused else "off"
-        self.fused = FusedDecoder(model) if reason is None else None
+        self.fused = decoder_for(model) if reason is None else None
         if fused is True and reason is not None:
             self._note(f"no fused step ({reason})")
 
