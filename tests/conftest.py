@@ -3,6 +3,12 @@ from pathlib import Path
 
 import pytest
 
+# Before any test module imports mlx.core: pipeline loads OpenBLAS for MLX's CPU matmuls only if it comes
+# first (pipeline._blas), as it does in `pipeline run` and in Ray actors. Without this, the test process's
+# float results depended on which test file was collected first (a Ray run's sampled rows then differed
+# from the in-process reference run's).
+import pipeline  # noqa: F401, E402
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

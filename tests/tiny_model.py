@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# isort: off
+import pipeline  # noqa: F401  (first: loads OpenBLAS before mlx.core, as `pipeline run` and Ray actors do)
 import mlx.core as mx
 from mlx.utils import tree_flatten
+# isort: on
 
-import pipeline  # noqa: F401  (loads OpenBLAS before mlx.core, as in real runs)
 from pipeline.convert import write_model_dir
 from pipeline.models.llama import Model, ModelArgs
 from pipeline.tokenizer import Tokenizer
