@@ -473,8 +473,8 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
             kwargs = {"prefill_step_size": prefill_step_size}
             if features["compile"]:
                 kwargs["compile"] = variant == "compiled"
-            if features["fused"]:
-                kwargs["fused"] = variant == "fused"
+            if features["fused"]:  # "auto": a fused row that cannot run is skipped below, not warned about
+                kwargs["fused"] = "auto" if variant == "fused" else False
             elif variant == "fused":
                 skipped.append({"impl": "pipeline", "variant": variant, "reason": "this Engine has no fused option"})
                 continue

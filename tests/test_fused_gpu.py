@@ -1,7 +1,8 @@
 """The fused CUDA decode step (pipeline/fused.py) against the unfused model it replaces.
 
-Runs only where MLX's CUDA backend is available (the kernels are CUDA source); elsewhere the module is
-skipped and ``test_fused_blocker_*`` check that the engine does not pick the fused step.
+The kernel tests run only where MLX's CUDA backend is available (the kernels are CUDA source); elsewhere
+they are skipped, ``test_fused_blocker_*`` check that the engine does not pick the fused step, and the
+launch-plan tests check the host side with a recording stand-in for ``mx.fast.cuda_kernel``.
 
 Reference: the same model's ordinary forward (MLX's quantized_matmul, rms_norm, rope and
 scaled_dot_product_attention — the ops mlx-lm's llama/qwen2 use) on an identical, separately prefilled
@@ -262,7 +263,7 @@ def test_launch_plan_covers_every_output(case, monkeypatch):
     (chunk, head) of the context, and each kernel gets the arrays its source names."""
     import pipeline.fused as fused
 
-    model = make_model(**case)
+    model = make_model(**{"dtype": mx.float32, **case})  # float32: a fast prefill on a CPU
     monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
     _RecordingKernel.launches = []
     dec = decoder_for(model)
@@ -299,7 +300,7 @@ def test_gemma3_launch_plan(monkeypatch):
     200 keys (two chunks)."""
     import pipeline.fused as fused
 
-    model = make_model(**GEMMA)
+    model = make_model(**GEMMA, dtype=mx.float32)  # float32: a fast prefill on a CPU
     monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
     _RecordingKernel.launches = []
     dec = decoder_for(model)
