@@ -305,6 +305,12 @@ def _rope_table(rope: nn.Module, head_dim: int) -> tuple[mx.array, float, bool]:
     return inv.astype(mx.float32), float(rope.scale), rope.traditional
 
 
+def _head_dim(model) -> int:
+    """Per-head size of ``model``'s attention (Gemma 3's attention module does not store it)."""
+    attn0 = model.model.layers[0].self_attn
+    return getattr(attn0, "head_dim", None) or model.args.head_dim
+
+
 def _f(x: float) -> str:
     return repr(float(x)) + "f"
 
@@ -334,7 +340,7 @@ class FusedDecoder:
         self.hidden = args.hidden_size
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
         attn0 = inner.layers[0].self_attn
-        self.head_dim = getattr(attn0, "head_dim", None) or args.head_dim
+        self.head_dim = _head_dim(model)
         self.scale = attn0.scale
         self.eps = args.rms_norm_eps
         self.embed = Proj(inner.embed_tokens)
@@ -506,6 +512,9 @@ class FusedDecoder:
         "geglu": ("res", "geglu"),
         "res_logits": ("res_final", "plain"),
     }
+    # The inputs each prologue reads, in the kernels' order (the weights follow).
+    PROLOGUE_INPUTS = {"copy": ["x"], "norm": ["x", "nw"], "res": ["x", "h", "wpost", "nw"],
+                       "res_final": ["x", "h", "wpost", "nw"]}
 
     def _prologue(self, pre: str, vals: int) -> str:
         """CUDA statements staging the GEMV's input in ``xs`` (see ``GEMV_MODES``)."""
@@ -570,7 +579,7 @@ class FusedDecoder:
     if (u0 + u >= N) break;{store}
   }}
 """
-            names = ["x", *{"copy": [], "norm": ["nw"]}.get(pre, ["h", "wpost", "nw"])]
+            names = list(self.PROLOGUE_INPUTS[pre])
             names += [*proj.names("g"), *proj2.names("u")] if post == "geglu" else proj.names()
             names += ["r"] if post == "residual" else []
             outs = ["out", "hout"] if pre == "res" else ["out"]
@@ -639,16 +648,14 @@ class FusedDecoder:
             output_shapes=[(self.n_heads * self.head_dim,)], output_dtypes=[self.dtype])[0]
 
     def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
-        T = self.dtype
         H, D = self.n_heads, self.head_dim
         h = self._embed(token)
         for lay, c in zip(self.layers, caches):
             qkv = lay["qkv"]
             kern, pairs = self._qkv_kernel(qkv, lay["traditional"], lay["pos_scale"], c.max_size or 0)
             extra = [qkv.bias] if qkv.bias is not None else []
-            q = kern(inputs=[h, lay["in_norm"], *qkv.arrays, *extra, lay["inv_freq"], pos, c.keys, c.values],
-                     template=[("T", T)], grid=(-(-pairs // WARPS_PER_BLOCK) * 256, 1, 1), threadgroup=(256, 1, 1),
-                     output_shapes=[(H * D,)], output_dtypes=[T])[0]
+            q = self._launch(kern, [h, lay["in_norm"], *qkv.arrays, *extra, lay["inv_freq"], pos, c.keys, c.values],
+                             -(-pairs // WARPS_PER_BLOCK), H * D)
             o = self._attend(q, pos, n_ctx, c)
             h = self._gemv(lay["o"], "residual", [o, *lay["o"].arrays, h])
             a = self._gemv(lay["gu"], "swiglu", [h, lay["post_norm"], *lay["gu"].arrays])
@@ -656,15 +663,19 @@ class FusedDecoder:
         logits = self._gemv(self.head, "norm", [h, self.final_norm, *self.head.arrays])
         return logits[None]
 
+    def _launch(self, kern, inputs: list, blocks: int, n_out: int, res: bool = False):
+        """Run a kernel of 256-thread blocks whose output is ``(n_out,)`` in the compute dtype; with
+        ``res`` (a "res" prologue) also returns the new residual stream ``(hidden,)`` it writes."""
+        outs = kern(inputs=inputs, template=[("T", self.dtype)], grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
+                    output_shapes=[(n_out,), (self.hidden,)] if res else [(n_out,)],
+                    output_dtypes=[self.dtype] * (2 if res else 1))
+        return (outs[0], outs[1]) if res else outs[0]
+
     def _gemv(self, proj: Proj, mode: str, inputs: list, proj2: Proj | None = None):
         """Launch a GEMV kernel (``GEMV_MODES``): its output ``(rows,)``, and for prologue "res" also
         the new residual stream ``(hidden,)``."""
         kern, warps, n_out = self._gemv_kernel(proj, mode, proj2)
-        res = self.GEMV_MODES[mode][0] == "res"
-        outs = kern(inputs=inputs, template=[("T", self.dtype)], grid=(-(-warps // WARPS_PER_BLOCK) * 256, 1, 1),
-                    threadgroup=(256, 1, 1), output_shapes=[(n_out,), (self.hidden,)] if res else [(n_out,)],
-                    output_dtypes=[self.dtype] * (2 if res else 1))
-        return (outs[0], outs[1]) if res else outs[0]
+        return self._launch(kern, inputs, -(-warps // WARPS_PER_BLOCK), n_out, self.GEMV_MODES[mode][0] == "res")
 
 
 class Gemma3Decoder(FusedDecoder):
@@ -766,8 +777,8 @@ class Gemma3Decoder(FusedDecoder):
     dst[i1] = static_cast<T>(yn[i0] * sn + yn[i1] * c);
   }}
 """
-            names = ["x", *(["h", "wpost"] if res else []), "nw", *q.names("q"), *k.names("k"), *v.names("v"),
-                     "qn", "kn", "inv_freq", "pos", "kc", "vc"]
+            names = [*self.PROLOGUE_INPUTS["res" if res else "norm"], *q.names("q"), *k.names("k"),
+                     *v.names("v"), "qn", "kn", "inv_freq", "pos", "kc", "vc"]
             return mx.fast.cuda_kernel(name="pl_qkv_gemma", input_names=names,
                                        output_names=["q", "hout"] if res else ["q"], source=src, header=_HEADER)
 
@@ -775,7 +786,6 @@ class Gemma3Decoder(FusedDecoder):
         return self._kernel(("gemma_qkv", sig, trad, pscale, res, win), make)
 
     def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
-        T = self.dtype
         H, D = self.n_heads, self.head_dim
         h = self._embed(token)
         pending = None  # the previous layer's down_proj output and post-feedforward norm, not yet added to h
@@ -783,14 +793,12 @@ class Gemma3Decoder(FusedDecoder):
             kern = self._gemma_qkv_kernel(lay, pending is not None, c.max_size or 0)
             qkv = [*lay["q"].arrays, *lay["k"].arrays, *lay["v"].arrays]
             front = [pending[0], h, pending[1]] if pending is not None else [h]
-            outs = kern(inputs=[*front, lay["in_norm"], *qkv, lay["q_norm"], lay["k_norm"], lay["inv_freq"], pos,
-                                c.keys, c.values],
-                        template=[("T", T)], grid=((H + 2 * self.n_kv_heads) * 256, 1, 1), threadgroup=(256, 1, 1),
-                        output_shapes=[(H * D,), (self.hidden,)] if pending is not None else [(H * D,)],
-                        output_dtypes=[T] * (2 if pending is not None else 1))
-            q = outs[0]
-            if pending is not None:
-                h = outs[1]
+            inputs = [*front, lay["in_norm"], *qkv, lay["q_norm"], lay["k_norm"], lay["inv_freq"], pos, c.keys, c.values]
+            blocks = H + 2 * self.n_kv_heads  # one per q, k and v head
+            if pending is None:
+                q = self._launch(kern, inputs, blocks, H * D)
+            else:
+                q, h = self._launch(kern, inputs, blocks, H * D, res=True)
             o = self._attend(q, pos, n_ctx, c)
             y = self._gemv(lay["o"], "plain", [o, *lay["o"].arrays])
             a, h = self._gemv(lay["gate"], "geglu", [y, h, lay["post_attn"], lay["pre_ff"], *lay["gate"].arrays,
@@ -824,9 +832,12 @@ def model_blocker(model) -> str | None:
     if dtype not in (mx.float16, mx.bfloat16, mx.float32):
         return f"compute dtype {dtype}"
     attn0 = inner.layers[0].self_attn
-    head_dim = model.args.head_dim if gemma else attn0.head_dim
+    head_dim = _head_dim(model)
     if head_dim % 8 or head_dim > 1024 or attn0.n_heads % attn0.n_kv_heads:
         return f"head_dim {head_dim}"
+    # Gemma's q/k/v kernel stages x and the residual (hidden values each) and two head rows of floats.
+    if gemma and 2 * model.args.hidden_size * dtype.size + 2 * 4 * head_dim > MAX_SMEM_BYTES - 1024:
+        return f"hidden size {model.args.hidden_size} too large for one block's shared memory"
     projs = [Proj(inner.embed_tokens)] + ([Proj(model.lm_head)] if "lm_head" in model else [])
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp
@@ -841,8 +852,6 @@ def model_blocker(model) -> str | None:
             if any(p.bias is not None for p in layer_projs):
                 return "biased projections"
             projs += layer_projs
-            if 2 * model.args.hidden_size * dtype.size + 2 * 4 * head_dim > MAX_SMEM_BYTES - 1024:
-                return f"hidden size {model.args.hidden_size} too large for one block's shared memory"
             continue
         if "qkv_proj" not in a or "gate_up_proj" not in m:
             return "q/k/v or gate/up projections are not fused (their weights differ in kind)"
