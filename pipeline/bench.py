@@ -364,7 +364,8 @@ def machine_info() -> dict:
     info = {
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
         "machine": platform.machine(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-        "mlx": mx.__version__, "device": str(mx.default_device()), "blas": _blas.LOADED,
+        "mlx": mx.__version__, "device": str(mx.default_device()),
+        "blas": _blas.STATE.to_dict(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     try:
@@ -905,8 +906,7 @@ def _format_batch_table(doc: dict) -> str:
     head = [
         f"model: {src}, {mod['model_type']}, {mod['parameters'] / 1e6:.1f}M parameters; "
         f"dtype {s['dtype']}, ours dequantized: {str(mod['dequantized']).lower()}",
-        f"device: {mach['device']} ({mach['processor']}, {mach['cpu_count']} cores), mlx {mach['mlx']}, "
-        f"mlx-lm {mach.get('mlx_lm')}, {mach['date']}",
+        _device_line(mach),
         f"job throughput: {s['prompts']} prompts{b1} of {s['prompt_tokens'][0]} random tokens, {s['max_tokens']} new "
         f"tokens each, greedy, ignore_eos; generated tokens / wall s (prefill included); median of {s['trials']} "
         f"trials after 1 warm-up (warmup_s, excluded)",
@@ -934,6 +934,16 @@ def _format_batch_table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def _device_line(mach: dict) -> str:
+    """``device: Device(cpu, 0) (x86_64, 2 cores), CPU BLAS: OpenBLAS (...), mlx 0.32.4, mlx-lm 0.32.2, DATE``."""
+    blas = mach.get("blas")
+    cpu_blas = ""
+    if isinstance(blas, dict) and "cpu" in mach["device"]:
+        cpu_blas = f", CPU BLAS: {blas['line']}"
+    return (f"device: {mach['device']} ({mach['processor']}, {mach['cpu_count']} cores){cpu_blas}, mlx {mach['mlx']}, "
+            f"mlx-lm {mach.get('mlx_lm')}, {mach['date']}")
+
+
 def format_table(doc: dict) -> str:
     """The plain-text table: one line per row, medians of the trials; ``x peer`` columns are
     ours / mlx-lm for tok/s (above 1: ours faster) and ours / mlx-lm for TTFT (below 1: ours faster).
@@ -947,8 +957,7 @@ def format_table(doc: dict) -> str:
         f"dtype {s['dtype']}, ours dequantized: {str(mod['dequantized']).lower()}; "
         f"weights read per token: ours {mod['weight_read_bytes'] / 1e6:.1f} MB"
         + (f", mlx-lm {s['peer']['weight_read_bytes'] / 1e6:.1f} MB" if s["peer"].get("ran") else ""),
-        f"device: {mach['device']} ({mach['processor']}, {mach['cpu_count']} cores), mlx {mach['mlx']}, "
-        f"mlx-lm {mach.get('mlx_lm')}, {mach['date']}",
+        _device_line(mach),
         f"{s['max_tokens']} new tokens, greedy, ignore_eos; median of {s['trials']} trials after 1 warm-up "
         f"(warmup_s: its wall time, excluded)",
     ]

@@ -7,10 +7,12 @@ import struct
 from collections import Counter
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .loader import load_model
+from . import _blas
+from .loader import compute_dtype, load_model, should_dequantize
 from .modeldir import weight_files
 
 _QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
@@ -67,7 +69,10 @@ def describe_model(spec: str) -> dict:
     (bytes of the loaded parameters; float tensors are cast to the compute dtype), ``hidden_size``,
     ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
     ``context_length``, ``cache_layout``, ``eos_token_ids``, ``eos_tokens``, ``bos_token_id``,
-    ``bos_token``, ``add_bos_token`` and ``chat_template`` (whether there is one).
+    ``bos_token``, ``add_bos_token``, ``chat_template`` (whether there is one), ``device`` (MLX's default
+    device), ``cpu_blas`` (``pipeline._blas.BlasState.to_dict()``; None off the CPU) and ``dequantize_auto``
+    (whether a job's ``engine.dequantize: auto`` expands the quantized weights here) and ``compute_dtype``
+    (``engine.dtype: auto`` here).
 
     Raises:
         the errors of ``load_model``.
@@ -99,6 +104,10 @@ def describe_model(spec: str) -> dict:
         "bos_token": tok.bos_token or None,
         "add_bos_token": tok.add_bos_token,
         "chat_template": bool(tok.chat_template),
+        "device": str(mx.default_device()),
+        "cpu_blas": _blas.STATE.to_dict() if mx.default_device() == mx.cpu else None,
+        "dequantize_auto": any("bit" in k for k in kinds) and should_dequantize(model, compute_dtype("auto")),
+        "compute_dtype": str(compute_dtype("auto")).removeprefix("mlx.core."),
     }
 
 
@@ -124,6 +133,12 @@ def format_description(d: dict) -> str:
         ("eos", eos),
         ("bos", f"{bos}, {'added' if d['add_bos_token'] else 'not added'} to prompts"),
         ("chat template", "yes" if d["chat_template"] else "no"),
+        ("device", d["device"]),
     ]
+    if d["cpu_blas"] is not None:
+        rows.append(("cpu blas", d["cpu_blas"]["line"]))
+    if any("bit" in k for k in d["weight_tensors"]):
+        rows.append(("jobs here", f"expand the quantized weights to {d['compute_dtype']} (engine.dequantize: auto)"
+                     if d["dequantize_auto"] else "keep the quantized weights (engine.dequantize: auto)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k + ':':<{width + 1}} {v}" for k, v in rows)

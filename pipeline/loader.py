@@ -73,7 +73,7 @@ def _build(path: Path, config: dict, weights: dict, dtype: mx.Dtype):
 def should_dequantize(model, dtype: mx.Dtype, batch_size: int = 1) -> bool:
     """The "auto" rule.
 
-    - CPU: dequantize when OpenBLAS is loaded and the expanded weights fit in ``DEQUANTIZE_MAX_BYTES``
+    - CPU: dequantize when OpenBLAS serves MLX's matmuls (``pipeline._blas``) and the expanded weights fit in ``DEQUANTIZE_MAX_BYTES``
       (4 GiB). Measured on a 2-core x86_64 CPU, float32 576x576: OpenBLAS GEMV ~50 us vs MLX's 4-bit
       quantized GEMV ~300 us; a 40-row GEMM ~0.3 ms vs ~11 ms.
     - GPU: dequantize for batched decoding (``batch_size`` > 1) when the expanded weights take at most a
@@ -184,6 +184,8 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
         ModelResolveError, GGUFError, ModelDirError, TokenizerError, ConfigError, WeightsError: one line
         naming the file and the key or tensor at fault.
     """
+    if mx.default_device() == mx.cpu:
+        _blas.warn_if_slow()
     path = path or resolve_model(spec)
     g = read_model_dir(path) if path.is_dir() else read_gguf(path)
     dt = compute_dtype(dtype)

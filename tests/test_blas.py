@@ -1,0 +1,129 @@
+"""The CPU fast path: on Linux, MLX's float32 matmuls must run on OpenBLAS (scipy-openblas32), not on the
+reference BLAS the mlx[cpu] wheel bundles (5x slower on the main job). These tests fail on a machine
+where the promised fast path did not load, so a fresh CI machine catches it."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pipeline  # noqa: F401  (first: loads OpenBLAS before mlx.core)
+from pipeline import _blas
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+linux = pytest.mark.skipif(sys.platform != "linux", reason="the OpenBLAS fast path is for Linux")
+CblasRowMajor, CblasNoTrans = 101, 111
+
+
+def _pipeline_exe() -> str:
+    exe = Path(sys.executable).with_name("pipeline")
+    return str(exe) if exe.is_file() else shutil.which("pipeline")
+
+
+@linux
+def test_fast_path_is_active():
+    assert os.environ.get("PIPELINE_BLAS") != "reference", "PIPELINE_BLAS=reference turns the fast path off"
+    assert _blas.STATE.active, f"the CPU fast path is not active: {_blas.STATE.reason}"
+    assert _blas.LOADED and Path(_blas.LOADED).is_file()
+    assert _blas.STATE.threads >= 1 and _blas.STATE.core
+    assert _blas.STATE.line().startswith("OpenBLAS from scipy-openblas32 ")
+
+
+def _sgemm(fn, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """C = A @ B through a CBLAS ``cblas_sgemm`` entry point (row-major, no transposes)."""
+    m, k = a.shape
+    n = b.shape[1]
+    c = np.zeros((m, n), dtype=np.float32)
+    ptr = ctypes.POINTER(ctypes.c_float)
+    fn.restype = None
+    fn.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ptr, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_float, ptr,
+                                        ctypes.c_int]
+    fn(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0, a.ctypes.data_as(ptr), k, b.ctypes.data_as(ptr), n,
+       0.0, c.ctypes.data_as(ptr), n)
+    return c
+
+
+@linux
+def test_mlx_matmul_runs_on_openblas():
+    """MLX's CPU matmul gives OpenBLAS's bits exactly, and not the bundled reference BLAS's (summation
+    orders differ in the last bits at K = 1536), so the comparison would catch the wrong library."""
+    assert _blas.STATE.active, _blas.STATE.reason
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 1536), dtype=np.float32)
+    b = rng.standard_normal((1536, 96), dtype=np.float32)
+    with mx.stream(mx.cpu):
+        ours = np.array(mx.matmul(mx.array(a), mx.array(b)))
+    openblas = _sgemm(ctypes.CDLL(_blas.LOADED).scipy_cblas_sgemm, a, b)
+    libs = glob.glob(str(Path(mx.__file__).parent.parent / "mlx_cpu.libs" / "libblas-*.so*"))
+    assert libs, "the mlx[cpu] wheel's bundled reference BLAS was not found"
+    reference = _sgemm(ctypes.CDLL(libs[0]).cblas_sgemm, a, b)
+    assert np.array_equal(ours, openblas)
+    assert not np.array_equal(ours, reference)
+    np.testing.assert_allclose(ours, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
+
+
+@linux
+def test_alias_elf_binds_names_to_addresses():
+    """The generated shared object makes a new name resolve to an existing function's address: here
+    libc's strlen, called through the alias."""
+    libc = ctypes.CDLL(None)
+    strlen = ctypes.cast(libc.strlen, ctypes.c_void_p).value
+    machine = _blas._ELF_MACHINE[os.uname().machine.lower()]
+    alias = _blas._load_alias_library(_blas.alias_elf({"pipeline_test_strlen": strlen, "pipeline_test_other": strlen},
+                                                      machine, soname="libpipeline-test-alias.so"))
+    fn = alias.pipeline_test_strlen
+    assert ctypes.cast(fn, ctypes.c_void_p).value == strlen
+    fn.restype, fn.argtypes = ctypes.c_size_t, [ctypes.c_char_p]
+    assert fn(b"seven c") == 7
+    with pytest.raises(AttributeError):
+        alias.strlen  # only the names given are defined
+
+
+def _inspect(model: Path, env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([_pipeline_exe(), "inspect", str(model)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env}, cwd=tmp_path)
+
+
+@linux
+def test_broken_openblas_warns_once_with_the_fix(tmp_path, default_model_path):
+    """A scipy-openblas32 whose library is missing (a broken install): one warning line naming what is
+    missing, what it costs and the fix; inspect says which BLAS runs; the command still works."""
+    shadow = tmp_path / "shadow" / "scipy_openblas32"
+    (shadow / "lib").mkdir(parents=True)
+    (shadow / "__init__.py").write_text(
+        "def get_lib_dir():\n    return __path__[0] + '/lib'\n\n"
+        "def get_library(fullname=False):\n    return 'libscipy_openblas.so'\n")
+    proc = _inspect(default_model_path, {"PYTHONPATH": str(tmp_path / "shadow")}, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "OpenBLAS did not load" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert "libscipy_openblas.so" in warnings[0] and "about 5x slower" in warnings[0]
+    assert "fix: pip install --force-reinstall scipy-openblas32" in warnings[0]
+    assert "cpu blas:       reference BLAS bundled with mlx (OpenBLAS did not load" in proc.stdout
+    assert "keep the quantized weights" in proc.stdout
+
+
+@linux
+def test_reference_blas_on_request_is_quiet(tmp_path, default_model_path):
+    proc = _inspect(default_model_path, {"PIPELINE_BLAS": "reference"}, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "OpenBLAS did not load" not in proc.stderr
+    assert "cpu blas:       reference BLAS bundled with mlx (PIPELINE_BLAS=reference)" in proc.stdout
+
+
+@linux
+def test_inspect_names_the_active_blas(tmp_path, default_model_path):
+    proc = _inspect(default_model_path, {}, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"cpu blas:       {_blas.STATE.line()}" in proc.stdout
+    assert "expand the quantized weights to float32" in proc.stdout
+    assert "WARNING" not in proc.stderr
