@@ -323,6 +323,7 @@ class BatchEngine:
             return "stop", tok, tok
         slot.tokens.append(tok)
         slot.picked.append(extras)
+        self.engine.tokens_generated += 1
         if slot.checker is not None:
             matched = slot.checker.push(tok)
             if matched is not None and len(slot.tokens) >= slot.request.params.min_tokens:

