@@ -7,7 +7,8 @@ model spec naming no alias, file, directory or repo id, the input files and colu
 other files or another job's results; fixing the job file or data is the remedy and ``validate`` finds the
 same problems. Every other failure exits 1: downloading or hashing the model, a model that cannot be loaded
 (corrupt file, unknown architecture), and job settings only the loaded model can refute (``cache.kv_group_size``
-not dividing its head_dim, ``input.apply_chat_template`` without a chat template). Failed rows are not errors.
+not dividing its head_dim, ``input.apply_chat_template`` without a chat template). Failed rows are not errors:
+``run`` exits 3 (``--failed-exit-code``) when the output holds rows whose ``error`` is set.
 """
 
 from __future__ import annotations
@@ -65,9 +66,17 @@ def _fail(e: Exception):
 def main():
     """Batch offline text generation on MLX.
 
-    Errors print `error: ...` lines on stderr. run and validate exit 2 for problems with the job or its
-    inputs (job file, model spec, input files and columns, output dir), found before the model loads, and 1
-    for other failures (model download or loading).
+    Errors print `error: ...` lines on stderr.
+
+    \b
+    Exit status:
+      0    success (run: done, no failed rows; a finished job prints "nothing to do")
+      3    run: done, but some rows failed; their error column says why
+           (--failed-exit-code N changes it, 0 makes it a success; --retry-failed redoes them)
+      2    a problem with the job or its inputs (job file, model spec, input files and
+           columns, output dir), found before the model loads; or a bad command line
+      1    any other failure (model download or loading, Ray missing or failing)
+      130  run stopped by SIGINT (Ctrl-C); 143 by SIGTERM: run it again to resume
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
 
@@ -76,8 +85,11 @@ def main():
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.option("--output-dir", help="Write here instead of the job's output.dir.")
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N input rows.")
-@click.option("--force", is_flag=True, help="Resume even if the job's settings or model changed.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--force", is_flag=True,
+              help="Resume even if the job's settings or model changed, adding rows made with the new settings "
+                   "(each row's settings stay recorded; pipeline status shows them).")
+@click.option("--no-progress", is_flag=True,
+              help="No progress on stderr: no download bar, load and warm-up lines, or progress bar.")
 @click.option("--retry-failed", is_flag=True, help="Generate the committed rows whose error is set again, replacing them.")
 @click.option("--failed-exit-code", type=click.IntRange(0, 255), default=3, show_default=True,
               help="Exit status when the output holds failed rows (0: treat them as success).")
@@ -124,7 +136,8 @@ def validate_job(job_file: str) -> tuple[list[Exception], str]:
 
     Returns:
         (problems, summary): the problems (``JOB_ERRORS``) and, when there are none, the ok line
-        (input rows, output rows = samples planned over the rows, model, output dir).
+        (input rows, output rows = samples planned over the rows, model, output dir; for an output dir
+        with committed rows, how many of the planned rows it holds: complete, or how many are to do).
 
     Raises:
         ModelResolveError, ...: resolving the model for the output-dir comparison failed (not a job problem).
@@ -135,7 +148,7 @@ def validate_job(job_file: str) -> tuple[list[Exception], str]:
         job = load_job(job_file)
     except JobSpecError as e:
         return [e], ""
-    problems, rows, model_ok = [], None, True
+    problems, rows, model_ok, manifest = [], None, True, None
     try:
         _check_model_spec(job.model)
     except ModelSpecError as e:
@@ -146,7 +159,7 @@ def validate_job(job_file: str) -> tuple[list[Exception], str]:
     except InputError as e:
         problems.append(e)
     try:
-        check_output_dir(job)
+        manifest = check_output_dir(job)
     except OutputError as e:
         problems.append(e)
     except ModelResolveError:
@@ -161,9 +174,29 @@ def validate_job(job_file: str) -> tuple[list[Exception], str]:
             problems.append(e)
     if problems:
         return problems, ""
-    n_out = len(plan_samples(job, rows))
-    return [], (f"ok: {job_file}: {len(rows)} input rows ({n_out} output rows, n={job.generation.n}), "
-                f"model {job.model}, output {job.output.dir}")
+    planned = [(r.id, k) for r, k, _ in plan_samples(job, rows)]
+    line = (f"ok: {job_file}: {len(rows)} input rows ({len(planned)} output rows, n={job.generation.n}), "
+            f"model {job.model}, output {job.output.dir}")
+    return [], line + _output_progress(job.output.dir, manifest, planned)
+
+
+def _output_progress(out_dir: str, manifest: dict | None, planned: list[tuple]) -> str:
+    """How much of ``planned`` (``(id, sample_index)`` keys) the output dir holds, for validate's ok line:
+    empty for a new dir, else `` is complete (32/32 rows; nothing to do)`` or `` has 12/32 rows (20 to do)``."""
+    from .shards import read_committed
+
+    table = None if manifest is None else read_committed(out_dir, manifest, ["id", "sample_index", "error"])
+    if table is None:
+        return ""
+    want = set(planned)
+    done = failed = 0
+    for key in zip(table["id"].to_pylist(), table["sample_index"].to_pylist(), table["error"].to_pylist()):
+        if key[:2] in want:
+            done, failed = done + 1, failed + (key[2] is not None)
+    rows = f"{done}/{len(planned)} rows" + (f", {failed} failed" if failed else "")
+    if done == len(planned):
+        return f" is complete ({rows}; nothing to do)"
+    return f" has {rows} ({len(planned) - done} to do)"
 
 
 @main.command()
@@ -226,8 +259,7 @@ def export(out_dir, to, join_input, overwrite):
               help="HTML file to write [default: OUT_DIR/report/report.html].")
 def report(out_dir, out):
     """Write an HTML report of OUT_DIR with PNG charts: decode tok/s over the run, TTFT vs prompt length,
-    completion lengths, finish reasons, failed rows, fingerprint and summary numbers (needs matplotlib:
-    pip install -e ".[report]")."""
+    completion lengths, finish reasons, failed rows, fingerprint and summary numbers."""
     from .report import ReportError, write_report
 
     try:

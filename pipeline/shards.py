@@ -12,6 +12,14 @@ records each uncommitted unit's row count and a digest of its keys (``plan_units
 that is on disk but not committed (the driver died between the worker's rename and its commit) is
 verified against the plan when the store is opened and committed (*adopted*) if it matches; otherwise
 it is removed like any other uncommitted shard.
+
+Which settings made each committed row: every run record (manifest ``runs``) holds the fingerprint it ran
+with, and every shard entry names the run that wrote it (``run``: 1-based index into ``runs``; a shard
+rewritten by ``--retry-failed`` keeps its rows' run). The manifest's own ``fingerprint`` is the one a
+resume is compared with: the settings of the last rows committed. A ``--force`` run with other settings
+switches it (recorded under ``forced``) when it commits its first shard, not before, so a forced run
+that generates nothing leaves the record as it was. Manifests written before these fields existed have
+neither; ``pipeline.status`` attributes their rows as well as it can (``run_fingerprints``).
 """
 
 from __future__ import annotations
@@ -174,7 +182,8 @@ def check_output_dir(out_dir: str | Path, fingerprint: dict, *, force: bool = Fa
     if changed and not force and manifest.get("shards"):
         raise OutputError(
             f"{out_dir} holds results of a different job (changed: {', '.join(changed)}); "
-            "use another output dir, or --force to continue anyway"
+            "use a new output.dir (or --output-dir DIR), or --force to add rows made with the new settings "
+            "to this one"
         )
     return manifest
 
@@ -184,13 +193,19 @@ class ShardStore:
 
     Opening it removes leftover temporary files and uncommitted shard files (see ``report``), checks
     that every committed shard is present with its recorded size, and adopts the complete unit shards
-    of the plan that were not committed (only while the fingerprint is unchanged).
+    of the plan that were not committed (only when the run that planned them had this fingerprint).
 
     Args:
         out_dir: the directory (created if missing).
         fingerprint: what determines the outputs (model hash, generation settings, ...); a resume with a
             different fingerprint is refused unless ``force``.
-        force: continue despite a different fingerprint (recorded in the manifest under ``forced``).
+        force: continue despite a different fingerprint: the manifest's fingerprint becomes this one
+            (recorded under ``forced``) once a shard made with it is committed.
+
+    Attributes:
+        run: the number (1-based index into the manifest's ``runs``) of the run whose shards are being
+            committed, stamped on each new shard entry: ``add_run`` sets it; before that, the last run
+            recorded (which planned any unit shard adopted on open).
 
     Raises:
         OutputError: see ``check_output_dir``; or a committed shard is missing or has another size.
@@ -202,17 +217,25 @@ class ShardStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         if manifest is None:
             manifest = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "shards": [], "rows": 0}
-        changed = diff_fields(manifest["fingerprint"], fingerprint)
-        if changed and not manifest["shards"]:
-            manifest["fingerprint"] = fingerprint
-        elif changed:
-            manifest.setdefault("forced", []).append({"changed": changed, "previous": manifest["fingerprint"]})
-            manifest["fingerprint"] = fingerprint
+        if not manifest["shards"]:
+            manifest["fingerprint"] = fingerprint  # nothing committed that other settings could contradict
         manifest.setdefault("next_shard", len(manifest["shards"]))
         self.manifest = manifest
+        self.fingerprint = fingerprint
+        runs = manifest.get("runs", [])
+        self.run = len(runs) or None
+        planner = runs[-1].get("fingerprint", manifest["fingerprint"]) if runs else manifest["fingerprint"]
         self.report = self._clean()
         self._verify()
-        self._adopt_units(self.report, allowed=not changed)
+        self._adopt_units(self.report, allowed=not diff_fields(planner, fingerprint))
+
+    def add_run(self, record: dict) -> int:
+        """Append a run record (with this store's fingerprint) to the manifest's ``runs``; the shards
+        committed from now on name it. Saved with the next manifest write. Returns its number."""
+        record["fingerprint"] = self.fingerprint
+        self.manifest.setdefault("runs", []).append(record)
+        self.run = len(self.manifest["runs"])
+        return self.run
 
     def _clean(self) -> OpenReport:
         report = OpenReport()
@@ -337,14 +360,26 @@ class ShardStore:
                 out[s["file"]] = None
                 if kept.num_rows:
                     out[s["file"]] = write_shard(self.dir, self.next_name(), kept)
+                    if "run" in s:
+                        out[s["file"]]["run"] = s["run"]  # the kept rows were made by the old shard's run
                     self.manifest["next_shard"] += 1
         return out
 
     def commit_entries(self, entries: list[dict], rewritten: dict[str, dict | None] | None = None) -> None:
         """Commit shards already written with ``write_shard``: one atomic manifest replacement adds
         ``entries`` and swaps each file of ``rewritten`` for its new entry (or drops it); replaced files
-        are deleted after the commit."""
+        are deleted after the commit. Each entry of ``entries`` names ``self.run``; when this store's
+        fingerprint differs from the manifest's (``force``), the manifest's becomes it in the same
+        commit and the change is appended to ``forced``."""
         rewritten = rewritten or {}
+        for e in entries:
+            if self.run is not None:
+                e.setdefault("run", self.run)
+        changed = diff_fields(self.manifest["fingerprint"], self.fingerprint)
+        if changed and entries:
+            self.manifest.setdefault("forced", []).append(
+                {"changed": changed, "previous": self.manifest["fingerprint"], "run": self.run})
+            self.manifest["fingerprint"] = self.fingerprint
         shards = []
         for s in self.manifest["shards"]:
             if s["file"] in rewritten:

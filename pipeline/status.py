@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pyarrow.compute as pc
 
 from .inputs import InputError, read_rows
 from .jobspec import JobSpecError, job_from_dict
-from .shards import OutputError, read_committed, read_manifest
+from .shards import OutputError, diff_fields, read_committed, read_manifest
 
 _COLUMNS = ["id", "sample_index", "error", "completion_tokens", "total_s", "decode_tps"]
 
@@ -25,8 +26,11 @@ def job_status(out_dir: str | Path) -> dict:
         that ended without recording it, e.g. killed: their rows are committed, their time is unknown,
         so neither counts in ``throughput_tps``), ``eta_s`` (pending rows x wall seconds per row of
         those runs; without any, the mean of the committed rows' ``total_s``), ``runs``, ``complete``
-        (no row pending; the last run's own flag when the input cannot be read), ``shards`` and
-        ``fingerprint`` (a short summary).
+        (no row pending; the last run's own flag when the input cannot be read), ``shards``,
+        ``settings`` (the committed rows grouped by the settings that made them, ``settings_groups``),
+        ``settings_mixed`` (more than one group, or rows whose settings were not recorded) and
+        ``fingerprint`` (a short summary of the settings; with mixed settings the fields that differ
+        read ``mixed``).
 
     Raises:
         OutputError: no manifest in ``out_dir``, or an unreadable one.
@@ -50,7 +54,7 @@ def job_status(out_dir: str | Path) -> dict:
         "runs_unrecorded": len(runs) - timed["runs"],
         "complete": bool(manifest.get("complete")),
         "shards": len(manifest["shards"]),
-        "fingerprint": fingerprint_summary(manifest.get("fingerprint", {})),
+        **_settings(manifest),
         "rows_pending": None,
         "pending_error": None,
         "eta_s": None,
@@ -76,6 +80,105 @@ def job_status(out_dir: str | Path) -> dict:
         per_row = (pc.sum(table.column("total_s")).as_py() or 0.0) / done
         status["eta_s"] = status["rows_pending"] * per_row
     return status
+
+
+def _legacy_fingerprint(manifest: dict) -> dict | None:
+    """The settings of shards written before shard entries named their run: the manifest's fingerprint
+    when no ``--force`` changed it since, the fingerprint before the first change recorded with its run;
+    None (unknown) when an older ``--force`` changed it without saying which shards came after."""
+    forced = manifest.get("forced", [])
+    if not forced:
+        return manifest.get("fingerprint", {})
+    return forced[0]["previous"] if "run" in forced[0] else None
+
+
+def settings_groups(manifest: dict) -> list[dict]:
+    """The committed rows grouped by the fingerprint that made them (each shard's ``run`` and that run
+    record's ``fingerprint``), in order of first commit.
+
+    Returns:
+        One dict per group: ``rows``, ``runs`` (sorted run numbers, 1-based), ``forced`` (the group's
+        first run had ``--force``), ``fingerprint`` (the full fingerprint; None when not recorded: shards
+        of an older manifest whose fingerprint an older ``--force`` changed).
+    """
+    runs = manifest.get("runs", [])
+    legacy = _legacy_fingerprint(manifest)
+    legacy_runs = {i for i, r in enumerate(runs, 1) if "fingerprint" not in r and r.get("rows_written", 1)}
+    groups: dict[str, dict] = {}
+    for shard in manifest["shards"]:
+        n = shard.get("run")
+        record = runs[n - 1] if isinstance(n, int) and 1 <= n <= len(runs) else None
+        fp = record["fingerprint"] if record is not None and "fingerprint" in record else legacy
+        g = groups.setdefault(json.dumps(fp, sort_keys=True), {"rows": 0, "runs": set(), "fingerprint": fp})
+        g["rows"] += shard["rows"]
+        g["runs"] |= {n} if record is not None else legacy_runs
+    out = []
+    for g in groups.values():
+        first = min(g["runs"], default=None)
+        out.append({"rows": g["rows"], "runs": sorted(g["runs"]), "fingerprint": g["fingerprint"],
+                    "forced": first is not None and bool(runs[first - 1].get("force"))})
+    return out
+
+
+def _settings(manifest: dict) -> dict:
+    """``settings``, ``settings_mixed`` and ``fingerprint`` of ``job_status``."""
+    groups = settings_groups(manifest)
+    known = [g["fingerprint"] for g in groups if g["fingerprint"] is not None]
+    differ = sorted({p for fp in known[1:] for p in diff_fields(known[0], fp)}
+                    | {p for f in manifest.get("forced", []) if "run" not in f for p in f["changed"]})
+    mixed = len(groups) > 1 or len(known) < len(groups)
+    common = manifest.get("fingerprint", {})
+    if mixed:
+        common = json.loads(json.dumps(common))
+        for path in differ:
+            *parents, leaf = path.split(".")
+            node = common
+            for k in parents:
+                node = node.setdefault(k, {})
+            if isinstance(node, dict):
+                node[leaf] = "mixed"
+    shown = [{"rows": g["rows"], "runs": g["runs"], "forced": g["forced"],
+              "settings": None if g["fingerprint"] is None else _values(g["fingerprint"], differ),
+              "fingerprint": None if g["fingerprint"] is None else fingerprint_summary(g["fingerprint"])}
+             for g in groups]
+    return {"settings": shown, "settings_mixed": mixed, "fingerprint": fingerprint_summary(common)}
+
+
+def _values(fp: dict, paths: list[str]) -> str:
+    """``key=value`` for each dotted ``path`` of ``fp`` (generation keys by their own name), long values cut."""
+    out = []
+    for path in paths:
+        v = fp
+        for k in path.split("."):
+            v = v.get(k) if isinstance(v, dict) else None
+        text = v if isinstance(v, str) else json.dumps(v)
+        out.append(f"{path.removeprefix('generation.')}={text if len(text) <= 24 else text[:21] + '...'}")
+    return ", ".join(out)
+
+
+def _run_numbers(runs: list[int]) -> str:
+    """``run 3`` or ``runs 1-2, 4``."""
+    spans: list[list[int]] = []
+    for n in runs:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    return f"run{'s' * (len(runs) != 1)} {text}" if runs else "runs unknown"
+
+
+def format_settings(st: dict) -> str | None:
+    """The ``settings: mixed — ...`` line of a ``job_status`` with mixed settings, else None."""
+    if not st["settings_mixed"]:
+        return None
+    parts = []
+    for g in st["settings"]:
+        where = _run_numbers(g["runs"]) + (", --force" if g["forced"] else "")
+        what = ("settings not recorded (an older manifest; --force changed them)" if g["fingerprint"] is None
+                else g["settings"] or "the same settings")
+        parts.append(f"{g['rows']} rows {what} ({where})")
+    return "settings: mixed — " + ", ".join(parts)
 
 
 def recorded_totals(runs: list[dict]) -> dict:
@@ -129,11 +232,13 @@ def format_status(st: dict) -> str:
     state = "complete" if st["complete"] else "incomplete"
     untimed = st.get("runs_unrecorded") or 0
     unrecorded = f" ({untimed} run(s) ended unrecorded, e.g. killed: not counted)" if untimed else ""
+    settings = format_settings(st)
     return "\n".join([
         f"{st['out_dir']}: {state}, {st['shards']} shard(s), {st['runs']} run(s)",
         f"rows: {st['rows_done']} done ({st['rows_failed']} failed), {pending} pending",
         (f"tokens: {st['completion_tokens']} generated; {tput} over {_duration(st['generation_s'])} of generation"
          f"{unrecorded}; mean per-row decode {mean}"),
         f"eta: {_duration(st['eta_s']) if st['eta_s'] is not None else ('0s' if st['rows_pending'] == 0 else 'unknown')}",
+        *([settings] if settings else []),
         f"fingerprint: {st['fingerprint']}",
     ])

@@ -259,8 +259,8 @@ CASES = [
          ["output.dir 'out' is not empty and has no manifest.json (found notes.txt); choose an empty or new directory"],
          data=with_files("out/notes.txt")),
     Case("output-dir-of-another-job",
-         ["out holds results of a different job (changed: generation.temperature); use another output dir, "
-          "or --force to continue anyway"],
+         ["out holds results of a different job (changed: generation.temperature); use a new output.dir "
+          "(or --output-dir DIR), or --force to add rows made with the new settings to this one"],
          {"generation": {"temperature": 0.5}}, committed=True),
     # problems in several places: validate lists them all, run stops at the first
     Case("model-input-and-output", [
@@ -319,7 +319,8 @@ def test_validate_accepts_the_committed_output_dir(committed_run):
     before = snapshot(committed_run / "out")
     proc = pipeline(committed_run, "validate", "job.yaml")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("ok: job.yaml: 2 input rows (2 output rows, n=1)")
+    assert proc.stdout == ("ok: job.yaml: 2 input rows (2 output rows, n=1), model smollm2-135m-instruct, "
+                           "output out is complete (2/2 rows; nothing to do)\n")
     assert snapshot(committed_run / "out") == before
 
 

@@ -275,7 +275,8 @@ def test_report_out_path_and_missing_matplotlib(run, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, "report", str(out), "--out", str(tmp_path / "x.html")],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1
-    assert proc.stderr.strip() == 'error: pipeline report needs matplotlib: pip install -e ".[report]"'
+    assert proc.stderr.strip() == ('error: pipeline report needs matplotlib, a dependency of pipeline that is '
+                                   'missing here: pip install "matplotlib>=3.7"')
     assert not (tmp_path / "x.html").exists()
 
 

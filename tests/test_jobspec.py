@@ -294,3 +294,74 @@ def test_engine_fused_auto_leaves_the_fingerprint_as_before():
     off = job_from_dict(minimal(engine={"fused": False}))
     assert off.engine.fused is False
     assert fingerprint(off, {"sha256": "x"})["engine"]["fused"] is False
+
+
+def test_top_level_help_lists_every_exit_status():
+    out = _pipeline_cli("--help").stdout
+    assert "3    run: done, but some rows failed; their error column says why" in out
+    for code in ("0    success", "2    a problem with the job", "1    any other failure", "130  run stopped by SIGINT",
+                 "143 by SIGTERM"):
+        assert code in out, code
+
+
+_REQUIRED = object()
+
+
+def _readme_job_reference() -> tuple[dict, list[str]]:
+    """The YAML block of README's "Job file" section, parsed, and its lines."""
+    import re
+
+    import yaml
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("\n## Job file\n"):]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    return yaml.safe_load(block), block.splitlines()
+
+
+def _dataclass_defaults(cls) -> dict:
+    """Field name -> default (``_REQUIRED`` without one; a dict for a field typed as a dataclass)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out[f.name] = _dataclass_defaults(hints[f.name])
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+        else:
+            out[f.name] = _REQUIRED
+    return out
+
+
+def test_readme_job_reference_shows_every_key_with_its_default():
+    """README's job-file reference documents every key of pipeline.jobspec, each with the dataclass default
+    (a key without a default is marked "required" on its line), and no key that does not exist."""
+    documented, lines = _readme_job_reference()
+    problems = []
+
+    def compare(doc, want, path):
+        if set(doc) != set(want):
+            problems.append(f"{path.rstrip('.') or 'top level'}: missing {sorted(set(want) - set(doc))}, "
+                            f"unknown {sorted(set(doc) - set(want))}")
+        for key in set(doc) & set(want):
+            where, value, default = f"{path}{key}", doc[key], want[key]
+            if isinstance(default, dict):
+                if not isinstance(value, dict):
+                    problems.append(f"{where}: a section, documented as {value!r}")
+                else:
+                    compare(value, default, where + ".")
+            elif default is _REQUIRED:
+                if not any(line.strip().startswith(f"{key}:") and "required" in line for line in lines):
+                    problems.append(f"{where}: has no default, but its line does not say required")
+            elif value != default or isinstance(value, bool) != isinstance(default, bool):
+                problems.append(f"{where}: documented {value!r}, default {default!r}")
+
+    compare(documented, _dataclass_defaults(JobSpec), "")
+    assert not problems, "\n".join(problems)
+    assert documented["input"]["truncate"] == "error"
+    assert any("right drops its last" in line for line in lines)  # every allowed value explained

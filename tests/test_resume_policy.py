@@ -81,6 +81,8 @@ def test_retry_failed_replaces_only_failed_rows(tiny, tmp_path):
     assert all(after[i] == before[i] for i in before if i != "r2")
     assert not first_shard.exists()  # the shard that held the failed row was rewritten without it
     assert manifest(out)["rows"] == 6 and manifest(out)["complete"] is True
+    # the rewritten shard's rows keep the run that made them; the retried row names the retry run
+    assert [s["run"] for s in manifest(out)["shards"]] == [1, 1, 3]
 
 
 def test_rows_added_later_are_generated_and_removed_rows_reported(tiny, tmp_path):
@@ -139,6 +141,62 @@ def test_force_continues_and_is_recorded(tiny, tmp_path):
     m = manifest(out)
     assert m["forced"][0]["changed"] == ["generation.temperature"]
     assert m["fingerprint"]["generation"]["temperature"] == 0.9 and m["rows"] == 6
+    assert "settings: mixed — 3 rows temperature=0.7 (run 1), 3 rows temperature=0.9 (run 2, --force)" in \
+        run_cli("status", str(out)).stdout
+
+
+def test_force_on_a_finished_dir_keeps_the_settings_of_its_rows(tiny, tmp_path):
+    """A --force with changed settings and nothing to generate records nothing about settings; the rows a
+    later --force run adds are attributed to the new settings, the old rows keep theirs."""
+    data = write_input(tmp_path / "in.parquet", PROMPTS[:4])
+    out = tmp_path / "out"
+    run_cli("run", str(write_job(tmp_path, tiny, data, max_tokens=2)), "--no-progress")
+    before = manifest(out)
+    changed = write_job(tmp_path, tiny, data, max_tokens=4)
+    proc = run_cli("run", str(changed), "--no-progress", expect=2)
+    assert proc.stderr == (f"error: {out} holds results of a different job (changed: generation.max_tokens); use a "
+                           "new output.dir (or --output-dir DIR), or --force to add rows made with the new settings "
+                           "to this one\n")
+    proc = run_cli("run", str(changed), "--no-progress", "--force")
+    assert proc.stdout.startswith("--force: no row to generate, so the committed rows keep their recorded settings "
+                                  "(changed: generation.max_tokens)\nnothing to do: all 4 rows")
+    m = manifest(out)
+    assert m["fingerprint"] == before["fingerprint"] and "forced" not in m
+    assert m["shards"] == before["shards"] and len(m["runs"]) == 2
+    st = json.loads(run_cli("status", str(out), "--json").stdout)
+    assert st["settings_mixed"] is False and "max_tokens=2" in st["fingerprint"]
+    assert "settings:" not in run_cli("status", str(out)).stdout
+    run_cli("run", str(changed), "--no-progress", expect=2)  # still refused: no row has the new settings
+
+    write_input(data, PROMPTS)  # two rows more
+    proc = run_cli("run", str(changed), "--no-progress", "--force")
+    assert "done: 2 rows written (0 failed, 4 from earlier runs)" in proc.stdout
+    m = manifest(out)
+    assert [s["run"] for s in m["shards"]] == [1, 1, 3]
+    assert [r["fingerprint"]["generation"]["max_tokens"] for r in m["runs"]] == [2, 4, 4]
+    assert m["fingerprint"]["generation"]["max_tokens"] == 4
+    assert m["forced"] == [{"changed": ["generation.max_tokens"], "previous": before["fingerprint"], "run": 3}]
+    tokens = {r["id"]: r["completion_tokens"] for r in read_output(out).to_pylist()}
+    assert max(tokens[f"r{i}"] for i in range(4)) <= 2 < max(tokens["r4"], tokens["r5"])  # tiny model: no early EOS
+    st = json.loads(run_cli("status", str(out), "--json").stdout)
+    assert st["settings_mixed"] is True and "max_tokens=mixed" in st["fingerprint"]
+    assert [(g["rows"], g["runs"], g["forced"], g["settings"]) for g in st["settings"]] == [
+        (4, [1], False, "max_tokens=2"), (2, [3], True, "max_tokens=4")]
+    text = run_cli("status", str(out)).stdout
+    assert "settings: mixed — 4 rows max_tokens=2 (run 1), 2 rows max_tokens=4 (run 3, --force)\n" in text
+    run_cli("run", str(changed), "--no-progress")  # the new settings are the output's now: no --force needed
+    run_cli("run", str(write_job(tmp_path, tiny, data, max_tokens=2)), "--no-progress", expect=2)
+
+
+def test_validate_says_how_much_of_the_output_is_done(tiny, tmp_path):
+    data = write_input(tmp_path / "in.parquet", PROMPTS[:2] + [""] + PROMPTS[3:])
+    job = write_job(tmp_path, tiny, data, max_tokens=2)
+    ok = f"ok: {job}: 6 input rows (6 output rows, n=1), model {tiny}, output {tmp_path / 'out'}"
+    assert run_cli("validate", str(job)).stdout == ok + "\n"
+    run_cli("run", str(job), "--no-progress", "--limit", "2")
+    assert run_cli("validate", str(job)).stdout == ok + " has 2/6 rows (4 to do)\n"
+    run_cli("run", str(job), "--no-progress", expect=3)
+    assert run_cli("validate", str(job)).stdout == ok + " is complete (6/6 rows, 1 failed; nothing to do)\n"
 
 
 def test_second_ctrl_c_aborts_at_once_without_corrupting(tiny, tmp_path):
@@ -200,3 +258,31 @@ def test_status_reports_progress(tiny, tmp_path):
     assert (st["rows_done"], st["rows_pending"], st["complete"], st["runs"]) == (12, 0, True, 2)
     proc = run_cli("status", str(tmp_path / "nothing"), check=False)
     assert proc.returncode == 2 and "no manifest.json" in proc.stderr
+
+
+def test_a_unit_shard_is_adopted_only_with_the_settings_that_planned_it(tmp_path):
+    """A --force run with other settings planned a Ray unit and died after writing its shard, before any
+    commit: the output's fingerprint is still the old one, but the shard was made with the new settings,
+    so a resume with the old settings removes it and a resume with the new ones adopts it."""
+    from pipeline.shards import ShardStore, write_shard
+
+    def rows(*ids):
+        return pa.table({"id": list(ids), "sample_index": [0] * len(ids),
+                         "error": pa.array([None] * len(ids), pa.string())})
+
+    old, new = {"generation": {"max_tokens": 2}}, {"generation": {"max_tokens": 4}}
+    for resume, adopted in ((old, []), (new, ["unit-00000.parquet"])):
+        out = tmp_path / f"out-{len(adopted)}"
+        store = ShardStore(out, old)
+        store.add_run({})
+        store.commit(rows("a"))
+        store = ShardStore(out, new, force=True)
+        store.add_run({})
+        (unit,) = store.plan_units([[("b", 0)]], 1)
+        write_shard(out, unit, rows("b"))
+        assert manifest(out)["fingerprint"] == old
+        store = ShardStore(out, resume, force=True)
+        assert store.report.adopted == adopted
+        assert [(s["file"], s["run"]) for s in store.manifest["shards"]] == [("part-00000.parquet", 1)] + \
+            [(unit, 2)] * len(adopted)
+        assert store.manifest["fingerprint"] == resume

@@ -18,7 +18,7 @@ from tiny_model import write_tiny_model
 
 from pipeline.jobspec import job_from_dict
 from pipeline.runner import run_job
-from pipeline.status import format_status, job_status
+from pipeline.status import format_settings, format_status, job_status
 
 ROWS = 6
 
@@ -76,3 +76,56 @@ def test_without_a_recorded_run_the_eta_comes_from_the_rows(tiny, tmp_path):
     assert st["generation_s"] == 0 and st["throughput_tps"] is None
     assert st["eta_s"] == pytest.approx(3 * total_s / 3)
     assert "n/a over 0m00s of generation (1 run(s) ended unrecorded" in format_status(st)
+
+
+def legacy(out: Path, forced_without_run: bool = False) -> dict:
+    """Make ``out``'s manifest look as written before run records held their fingerprint and shard entries
+    their run (and, with ``forced_without_run``, before a ``forced`` entry named the run that forced)."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    for s in manifest["shards"]:
+        s.pop("run")
+    for r in manifest["runs"]:
+        r.pop("fingerprint")
+    if forced_without_run:
+        for f in manifest["forced"]:
+            f.pop("run")
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def test_an_old_manifest_without_per_run_settings_reads_and_resumes(tiny, tmp_path):
+    spec = job(tiny, tmp_path)
+    out = tmp_path / "out"
+    run_job(spec, limit=2, progress=False, echo=lambda _: None)
+    run_job(spec, limit=4, progress=False, echo=lambda _: None)
+    legacy(out)
+    st = job_status(out)
+    assert st["settings_mixed"] is False and "settings:" not in format_status(st)
+    assert [(g["rows"], g["runs"]) for g in st["settings"]] == [(4, [1, 2])]
+    assert st["fingerprint"].endswith("; generation max_tokens=8, seed=3, temperature=0.7")
+
+    # --force with other settings on the old manifest: the old rows keep the settings they were made with
+    changed = job_from_dict({**spec.to_dict(), "generation": {**spec.to_dict()["generation"], "max_tokens": 3}})
+    run_job(changed, force=True, progress=False, echo=lambda _: None)
+    st = job_status(out)
+    assert [(g["rows"], g["runs"], g["forced"], g["settings"]) for g in st["settings"]] == [
+        (4, [1, 2], False, "max_tokens=8"), (2, [3], True, "max_tokens=3")]
+    assert "settings: mixed — 4 rows max_tokens=8 (runs 1-2), 2 rows max_tokens=3 (run 3, --force)" in \
+        format_status(st)
+
+
+def test_rows_an_old_force_mixed_are_reported_as_unrecorded(tiny, tmp_path):
+    spec = job(tiny, tmp_path)
+    out = tmp_path / "out"
+    run_job(spec, limit=2, progress=False, echo=lambda _: None)
+    changed = job_from_dict({**spec.to_dict(), "generation": {**spec.to_dict()["generation"], "max_tokens": 3}})
+    run_job(changed, limit=4, force=True, progress=False, echo=lambda _: None)
+    legacy(out, forced_without_run=True)
+    st = job_status(out)
+    assert st["settings_mixed"] is True and st["rows_done"] == 4 and "max_tokens=mixed" in st["fingerprint"]
+    assert format_settings(st) == ("settings: mixed — 4 rows settings not recorded (an older manifest; --force "
+                                   "changed them) (runs 1-2)")
+    run_job(changed, progress=False, echo=lambda _: None)  # resumes with the latest settings, as before
+    assert format_settings(job_status(out)) == (
+        "settings: mixed — 4 rows settings not recorded (an older manifest; --force changed them) (runs 1-2), "
+        "2 rows max_tokens=3 (run 3)")
