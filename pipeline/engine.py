@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .cache import KVCache, make_caches
-from .compiled import ClosureSet, decode_blocker, head, layer_capacity, layer_kind, put_head
+from .compiled import ClosureSet, cpu_compile_blocker, decode_blocker, head, layer_capacity, layer_kind, put_head
 from .fused import decoder_for, fused_blocker
 from .sampler import SamplerKind, sample_step, sampler_consts, sampler_state
 from .stops import StopChecker, final_text
@@ -69,8 +70,10 @@ class Generation:
 
     Attributes:
         token_ids: generated ids; the EOS / stop token that ended the generation is not included.
-        text: the completion: ``tokenizer.decode(token_ids)`` cut at the earliest stop string (None
-            when the engine has no tokenizer).
+        text: the completion: ``tokenizer.decode(token_ids)`` up to its last complete character (a
+            generation cut inside a multi-byte character leaves its bytes out of the text, not out of
+            ``token_ids``; ``Tokenizer.decode_complete``), cut at the earliest stop string (None when the
+            engine has no tokenizer).
         finish_reason: "stop" (EOS, a stop token or a stop string) or "length" (``max_tokens`` or the
             context limit).
         stop_reason: the matched stop string, the id of the stop token, or None ("length").
@@ -116,7 +119,8 @@ def compile_by_default(caches) -> bool:
     (whole-buffer copies for the cache writes, the mask, the select) and lost: SmolLM2-135M 139 vs
     214 tok/s, Llama-3.2-1B 234 vs 463, Qwen2.5-7B 117 vs 175 (prompt 64); with Gemma 3's sliding
     layers it won, 131 vs 102 tok/s (prompt 2048). Rotating and quantized caches on CUDA were not
-    measured apart from Gemma 3, so they keep the compiled step.
+    measured apart from Gemma 3, so they keep the compiled step. Where MLX cannot compile on the CPU
+    (no ``g++``: ``compiled.cpu_compile_blocker``) the engine decodes eagerly whatever ``compile`` says.
     """
     if not mx.cuda.is_available():
         return True
@@ -163,8 +167,11 @@ class Engine:
         self.cache = make_caches(model, cache_spec)
         self.max_kv_size = getattr(cache_spec, "max_kv_size", None)
         self.compile = compile_by_default(self.cache) if compile == "auto" else compile
+        if self.compile and cpu_compile_blocker() is not None:
+            self.compile = False  # mx.compile would hand back the step uncompiled (warn_if_no_cpu_compile)
         self.closures = ClosureSet(model)
         self._logged: set[str] = set()
+        self._quiet = False
         self.tokens_generated = 0
         reason = fused_blocker(model, self.cache) if fused else "off"
         self.fused = decoder_for(model) if reason is None else None
@@ -202,11 +209,22 @@ class Engine:
             start += step
         return self.model(prompt[None, start:], self.cache, last_only=True)[:, -1, :]
 
+    @contextlib.contextmanager
+    def quiet(self):
+        """Within it, generations log no warnings and leave the once-per-engine ones unshown, so the
+        first real row that meets one logs it with its own numbers (``LoadedModel.warm_up``'s made-up
+        prompt is not the user's)."""
+        was, self._quiet = self._quiet, True
+        try:
+            yield self
+        finally:
+            self._quiet = was
+
     def _note(self, reason: str, kind: str = "eager") -> None:
         """Log ``reason`` once per engine (``kind`` "eager": why decode runs uncompiled; one
-        "window" warning per engine)."""
+        "window" warning per engine); nothing inside ``quiet``."""
         tag = reason if kind == "eager" else kind
-        if tag not in self._logged:
+        if not self._quiet and tag not in self._logged:
             self._logged.add(tag)
             log.warning("decoding eagerly: %s" if kind == "eager" else "%s", reason)
 
@@ -221,7 +239,8 @@ class Engine:
         for c, cap in zip(self.cache, caps):
             c.reserve(cap)
         kinds = tuple(layer_kind(c, cap) for c, cap in zip(self.cache, caps))
-        if (kinds, kind) in self.closures.broken:
+        if (kinds, kind) in self.closures.broken:  # shown here too: the failure may have been met inside quiet()
+            self._note(f"compiled step failed ({self.closures.broken[(kinds, kind)]})")
             return None
         step = self.closures.get(kinds, kind)
         n_state, n_extra = len(state), 0 if kind.logprobs is None else 3
@@ -307,8 +326,8 @@ class Engine:
                     probe = step(y)  # first call traces (once per closure key)
                     mx.async_eval(probe[0], *probe[1])
                 except Exception as e:  # a graph the compiler cannot express: never retry this key
-                    self.closures.broken[closure_key] = str(e)
-                    self._note(f"compiled step failed ({type(e).__name__}: {e})")
+                    self.closures.broken[closure_key] = f"{type(e).__name__}: {e}"
+                    self._note(f"compiled step failed ({self.closures.broken[closure_key]})")
                     finish_compiled = None
                 else:
                     advance = step
@@ -403,4 +422,5 @@ class Engine:
         """Characters of text before the ``min_tokens``-th token, where no stop string may end."""
         if not params.stop or params.min_tokens <= 1:
             return 0
-        return len(self.tokenizer.decode(ids[: params.min_tokens - 1], skip_special_tokens=params.skip_special_tokens))
+        return len(self.tokenizer.decode_complete(ids[: params.min_tokens - 1],
+                                                  skip_special_tokens=params.skip_special_tokens))

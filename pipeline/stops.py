@@ -138,9 +138,12 @@ def final_text(
 ) -> tuple[str, str | None]:
     """The completion text of ``ids`` and the stop string that ended it.
 
-    The text is ``tokenizer.decode(ids, skip_special_tokens=...)``, cut at the earliest stop string
-    occurrence (ties: the longer string) that ends after character ``min_end``; the stop string is kept
-    when ``include_stop_str_in_output`` (vLLM's ``SamplingParams`` semantics).
+    The text is ``tokenizer.decode_complete(ids, skip_special_tokens=...)`` (``decode`` up to the last
+    complete character: the bytes of a character the ids begin but do not finish are left out, as the
+    incremental detokenizer holds them back, so stop strings are matched on the text they were found
+    in), cut at the earliest stop string occurrence (ties: the longer string) that ends after character
+    ``min_end``; the stop string is kept when ``include_stop_str_in_output`` (vLLM's ``SamplingParams``
+    semantics).
 
     Returns:
         ``(text, matched stop string or None)``.
@@ -148,7 +151,7 @@ def final_text(
     Raises:
         ValueError: an empty or non-string stop string.
     """
-    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    text = tokenizer.decode_complete(ids, skip_special_tokens=skip_special_tokens)
     found = _earliest(text, _check_stop(stop), min_end)
     if found is None:
         return text, None

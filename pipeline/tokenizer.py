@@ -7,6 +7,7 @@ same file (checked against llama.cpp reference ids in ``tests/fixtures``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -58,6 +59,38 @@ _PRE_TOKENIZERS = {
     "llama-bpe": (lambda: _split_then_bytes(_LLAMA3_REGEX), True),
     "qwen2": (lambda: _split_then_bytes(_QWEN2_REGEX), False),
 }
+
+
+# Lead bytes whose second byte has a narrower range than 80..BF (Unicode 15.0, Table 3-7, well-formed UTF-8).
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token, as tokenizers' ByteFallback decoder reads it
+
+
+def _byte_of_char() -> dict[str, int]:
+    """The byte each character of a byte-level token stands for: GPT-2's ``bytes_to_unicode`` inverted
+    (openai/gpt-2 ``src/encoder.py``; the alphabet of ``tokenizers``' ByteLevel decoder)."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + n): b for n, b in enumerate(moved)}}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+
+
+def incomplete_utf8(data: bytes) -> int:
+    """How many bytes at the end of ``data`` (0-3) begin a UTF-8 character without finishing it: a proper
+    prefix of a well-formed sequence (Unicode 15.0, Table 3-7), which later bytes could still complete.
+    Bytes that no continuation can make valid (a stray continuation byte, ``ED A0``) count as finished."""
+    for n in range(1, min(3, len(data)) + 1):
+        lead = data[-n]
+        if 0x80 <= lead <= 0xBF:
+            continue
+        size = 2 if 0xC2 <= lead <= 0xDF else 3 if 0xE0 <= lead <= 0xEF else 4 if 0xF0 <= lead <= 0xF4 else 0
+        if n >= size:
+            return 0
+        lo, hi = _SECOND_BYTE.get(lead, (0x80, 0xBF))
+        return n if n == 1 or lo <= data[-n + 1] <= hi else 0
+    return 0
 
 
 class TokenizerError(ValueError):
@@ -134,6 +167,63 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """The text of ``ids`` (byte-level tokens joined before UTF-8 decoding)."""
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_complete(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """``decode(ids)`` up to its last complete character, as vLLM's incremental detokenizer shows it.
+
+        Bytes at the end that begin a multi-byte UTF-8 character the ids do not finish (a generation cut
+        by ``max_tokens`` inside one), which ``decode`` renders as U+FFFD, are left out; with a
+        byte-fallback decoder the rest of their run of byte tokens keeps its characters (``decode`` turns
+        the whole run into U+FFFD). A U+FFFD the ids spell in full (bytes ``EF BF BD``, or a token of
+        that text) and bytes no continuation can make valid stay as ``decode`` renders them. Only
+        byte-level (GPT-2 style) and byte-fallback (``<0xNN>`` tokens) decoders split characters; with
+        any other decoder this is ``decode``.
+        """
+        text = self.decode(ids, skip_special_tokens=skip_special_tokens)
+        if not text.endswith("\ufffd") or self._byte_decoding is None:
+            return text
+        tail, owner = b"", []  # the raw bytes of the last tokens, and the index in ids of each byte's token
+        for k in range(len(ids) - 1, -1, -1):
+            data = self._token_bytes(ids[k], skip_special_tokens)
+            if data is None:
+                break
+            tail, owner = data + tail, [k] * len(data) + owner
+            if len(tail) >= 4:  # a character has at most 4 bytes
+                break
+        held = incomplete_utf8(tail)
+        if not held:
+            return text
+        if self._byte_decoding == "byte_level":  # one lossy UTF-8 decode of all bytes: one U+FFFD for them
+            return text[:-1]
+        drop = set(owner[-held:])  # byte fallback: one token per byte
+        return self.decode([t for k, t in enumerate(ids) if k not in drop], skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _byte_decoding(self) -> str | None:
+        """"byte_level" (every token stands for bytes), "byte_fallback" (``<0xNN>`` tokens stand for one
+        byte each) or None (tokens are text), from the decoder's own description."""
+        decoder = json.loads(self._hf.to_str()).get("decoder") or {}
+        parts = (decoder.get("decoders") or []) if decoder.get("type") == "Sequence" else [decoder]
+        types = {d.get("type") for d in parts}
+        return "byte_level" if "ByteLevel" in types else "byte_fallback" if "ByteFallback" in types else None
+
+    @cached_property
+    def _added_tokens(self) -> dict:
+        return self._hf.get_added_tokens_decoder()
+
+    def _token_bytes(self, token_id: int, skip_special_tokens: bool) -> bytes | None:
+        """What ``token_id`` adds to the decoded bytes: b"" for a skipped special token, None for a token
+        that is text (whole characters), as ``tokenizers``' ByteLevel / ByteFallback decoders read it."""
+        added = self._added_tokens.get(token_id)
+        if added is not None and added.special and skip_special_tokens:
+            return b""
+        token = self._hf.id_to_token(token_id)
+        if token is None:
+            return None
+        if self._byte_decoding == "byte_level":  # characters outside the alphabet: the token's own UTF-8
+            return bytes(_BYTE_OF_CHAR[c] for c in token) if all(c in _BYTE_OF_CHAR for c in token) else token.encode()
+        m = _BYTE_TOKEN.fullmatch(token)
+        return bytes([int(m[1], 16)]) if m else None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render ``messages`` with the model's chat template; returns the prompt text.

@@ -87,3 +87,28 @@ def test_multibyte_generation_streams_without_split_characters(default_model, pr
     assert "".join(pieces) == g.text == tok.decode(g.token_ids, skip_special_tokens=True)
     assert not any("\ufffd" in p for p in pieces)
     assert any(ord(c) > 0x2E7F for c in g.text)  # the generation really has multi-byte characters
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_generation_cut_inside_a_character_ends_at_the_last_complete_one(default_model, include):
+    """max_tokens reached inside a multi-byte character: the text leaves its bytes out (no U+FFFD), the
+    tokens stay counted and in the log-probabilities; stop strings still match."""
+    tok = default_model.tokenizer
+    ids = chat_ids(default_model, "请用一句话解释什么是机器学习。")
+    g = default_model.engine.generate(ids, GenerateParams(max_tokens=16, ignore_eos=True))
+    k = max(k for k in range(2, 17) if tok.decode(g.token_ids[:k]).endswith("\ufffd"))  # a cut inside one
+    params = dict(max_tokens=k, ignore_eos=True, logprobs=0, include_stop_str_in_output=include)
+    c = default_model.engine.generate(ids, GenerateParams(**params))
+    assert c.token_ids == g.token_ids[:k] and len(c.logprobs) == k and c.finish_reason == "length"
+    full = tok.decode(c.token_ids)
+    assert c.text == full[:-1] and not c.text.endswith("\ufffd")
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.push(t) for t in c.token_ids) == c.text  # what was streamed, no more
+    n = default_model.engine.generate(ids, GenerateParams(**params, stop=("never-there",)))
+    assert (n.token_ids, n.finish_reason, n.text) == (c.token_ids, "length", c.text)
+    clean = [tok.decode(c.token_ids[:j]) for j in range(1, k)]
+    stop = next(t for t in reversed(clean) if len(t) >= 2 and not t.endswith("\ufffd"))[-2:]
+    s = default_model.engine.generate(ids, GenerateParams(**params, stop=(stop,)))
+    cut = full.find(stop)
+    assert (s.finish_reason, s.stop_reason) == ("stop", stop)
+    assert s.text == full[: cut + len(stop) if include else cut]

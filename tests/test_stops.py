@@ -3,6 +3,8 @@ checked against Hugging Face ``tokenizers``' own ``decode``."""
 
 from __future__ import annotations
 
+import codecs
+
 import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -11,7 +13,7 @@ from tokenizers.decoders import DecodeStream
 from pipeline.gguf import read_gguf
 from pipeline.resolve import resolve_model
 from pipeline.stops import IncrementalDetokenizer, StopChecker, final_text
-from pipeline.tokenizer import Tokenizer
+from pipeline.tokenizer import _BYTE_OF_CHAR, Tokenizer, incomplete_utf8
 
 IM_START, IM_END = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>
 
@@ -243,3 +245,135 @@ def test_checker_and_final_text_agree(tok, text, stop, at, matched):
     completion, found = final_text(tok, ids[:k], stop)
     text = tok.decode(ids[:k])
     assert found == matched and completion == text[: text.find(matched)]
+
+
+# --- the completion ends at its last complete character (decode_complete) --------------------------
+
+def _python_held(data: bytes) -> int:
+    """Bytes at the end of ``data`` that CPython's UTF-8 decoder reports as "unexpected end of data"."""
+    errors = []
+
+    def record(e):
+        errors.append(e)
+        return "\ufffd", e.end
+
+    codecs.register_error("pipeline-test-record", record)
+    data.decode("utf-8", errors="pipeline-test-record")
+    last = errors[-1] if errors else None
+    return last.end - last.start if last and last.end == len(data) and last.reason == "unexpected end of data" else 0
+
+
+def test_incomplete_utf8_agrees_with_cpython():
+    cases = [bytes([a]) for a in range(256)] + [bytes([a, b]) for a in range(256) for b in range(256)]
+    cases += [bytes([a, b, c]) for a in (0x61, 0xC3, 0xE0, 0xE4, 0xED, 0xEF, 0xF0, 0xF3, 0xF4, 0xF5)
+              for b in range(0x70, 0xC1) for c in range(0x70, 0xC1)]
+    assert [incomplete_utf8(b) for b in cases] == [_python_held(b) for b in cases]
+    assert incomplete_utf8("😀".encode()[:3]) == 3 and incomplete_utf8("😀".encode()) == 0
+    assert incomplete_utf8(b"\xed\xa0") == 0  # a surrogate's start: never valid, so not held
+
+
+def byte_ids(tok, data: bytes) -> list[int] | None:
+    """One byte-level token per byte, or None when the vocabulary lacks one of them (SmolLM2's lacks 21,
+    such as 0x04, 0xC0 and 0xF1)."""
+    ids = [tok._hf.token_to_id(_BYTE_CHAR[b]) for b in data]
+    return None if None in ids else ids
+
+
+_BYTE_CHAR = {b: c for c, b in _BYTE_OF_CHAR.items()}
+
+
+def test_byte_alphabet_is_tokenizers_own(tok):
+    """pipeline's table of byte-level characters decodes as tokenizers' ByteLevel decoder does, for every
+    continuation byte and every lead byte the vocabulary has a token of."""
+    assert sorted(_BYTE_CHAR) == list(range(256))
+    chars = [chr(c) for c in range(0x800)] + [chr((i << 12) | 0x800) for i in range(16) if i != 13]
+    chars += ["\ud7ff", "\ufffd"] + [chr(c) for c in (0x10000, 0x40000, 0x80000, 0xC0000, 0x100000)]
+    covered = set()
+    for c in chars:
+        ids = byte_ids(tok, c.encode())
+        if ids is not None:
+            assert tok._hf.decode(ids) == c
+            covered.update(c.encode())
+    assert set(range(0x80, 0xC0)) | set(range(0xC2, 0xF1)) | {0xF3, 0xF4} <= covered
+
+
+def cut_inside_last_character(tok, text: str) -> list[int]:
+    """The ids of ``text`` with tokens dropped from the end until they stop inside a character."""
+    ids = tok.encode(text)
+    while not tok._hf.decode(ids).endswith("\ufffd"):
+        ids = ids[:-1]
+    return ids
+
+
+def test_decode_complete_drops_only_an_unfinished_last_character(tok):
+    cut_inside = set()
+    for text in TEXTS:  # every prefix of their ids
+        ids = tok.encode(text)
+        for k in range(len(ids) + 1):
+            full = tok._hf.decode(ids[:k])
+            got = tok.decode_complete(ids[:k])
+            assert text.startswith(got) and "\ufffd" not in got
+            if full.endswith("\ufffd"):  # tokenizers renders the unfinished character as one U+FFFD
+                cut_inside.add(text)
+                assert got == full[:-1]
+            else:
+                assert got == full
+    assert {TEXTS[0], TEXTS[1], TEXTS[3]} <= cut_inside  # Chinese, Japanese, emoji
+
+
+def test_decode_complete_keeps_a_real_replacement_character(tok):
+    fffd = "\ufffd".encode()  # EF BF BD
+    assert tok.decode_complete(tok.encode("ab\ufffd")) == "ab\ufffd"
+    assert tok.decode_complete(tok.encode("ab") + byte_ids(tok, fffd)) == "ab\ufffd"
+    assert tok.decode_complete(tok.encode("ab") + byte_ids(tok, fffd[:2])) == "ab"  # U+FFFD itself unfinished
+    emoji = byte_ids(tok, "😀".encode())
+    for k in (1, 2, 3):
+        ids = tok.encode("x\ufffd") + emoji[:k]
+        assert tok._hf.decode(ids) == "x\ufffd\ufffd"
+        assert tok.decode_complete(ids) == "x\ufffd"
+    lone = tok.encode("符")[1]  # a continuation byte no later byte can make valid: kept as decode renders it
+    assert tok.decode_complete(tok.encode("ab") + [lone]) == tok._hf.decode(tok.encode("ab") + [lone]) == "ab\ufffd"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_complete_with_a_special_token_after_the_cut(tok, skip):
+    ids = cut_inside_last_character(tok, "Hi 😀") + [IM_END]
+    full = tok._hf.decode(ids, skip_special_tokens=skip)
+    if skip:  # the skipped token adds no bytes: the character is still unfinished at the end
+        assert full.endswith("\ufffd") and tok.decode_complete(ids, skip_special_tokens=True) == full[:-1]
+    else:  # text follows it: it never finishes, and stays as decode renders it
+        assert tok.decode_complete(ids) == full and full.endswith("\ufffd<|im_end|>")
+
+
+@pytest.mark.parametrize("stop, include, completion, matched", [
+    ([], False, "hello world ", None),
+    (["never"], True, "hello world ", None),
+    (["world"], False, "hello ", "world"),
+    (["world"], True, "hello world", "world"),
+    (["d "], True, "hello world ", "d "),
+])
+def test_final_text_of_a_cut_character_with_stop_strings(tok, stop, include, completion, matched):
+    ids = cut_inside_last_character(tok, "hello world 😀")
+    assert final_text(tok, ids, stop, include_stop_str_in_output=include) == (completion, matched)
+
+
+@pytest.mark.parametrize("cut", [1, 2])
+def test_decode_complete_byte_fallback(sp_tok, cut):
+    ids = sp_ids(sp_tok, ["▁Hello", "中", "文"])  # 中 and 文 are byte tokens: 3 each
+    assert sp_tok.decode_complete(ids) == sp_tok._hf.decode(ids) == "Hello中文"
+    part = ids[: len(ids) - 3 + cut]
+    assert sp_tok._hf.decode(part) == "Hello" + "\ufffd" * (3 + cut)  # the whole invalid run as U+FFFD
+    assert sp_tok.decode_complete(part) == "Hello中"
+    fffd = sp_ids(sp_tok, ["▁a", "\ufffd"])  # a real U+FFFD as byte tokens EF BF BD
+    assert sp_tok.decode_complete(fffd) == sp_tok._hf.decode(fffd) == "a\ufffd"
+    unfinished = fffd + sp_ids(sp_tok, ["😀"])[:cut]
+    assert sp_tok._hf.decode(unfinished) == "a" + "\ufffd" * (3 + cut)
+    assert sp_tok.decode_complete(unfinished) == "a\ufffd"
+
+
+def test_decode_complete_is_decode_for_text_decoders():
+    vocab = {"[UNK]": 0, "a": 1, "\ufffd": 2}
+    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    t = Tokenizer(hf, bos_token_id=None, eos_token_ids=[], add_bos_token=False, chat_template=None)
+    assert t.decode_complete([1, 2]) == t.decode([1, 2]) == "a \ufffd"
