@@ -4,10 +4,11 @@
 Errors print one ``error: ...`` line per problem on stderr. ``run`` and ``validate`` exit 2 for a problem with
 the job or its inputs, found before the model loads (``JOB_ERRORS``): the job file (every bad key at once), a
 model spec naming no alias, file, directory or repo id, the input files and columns, an output dir holding
-other files or another job's results; fixing the job file or data is the remedy and ``validate`` finds the
-same problems. Every other failure exits 1: downloading or hashing the model, a model that cannot be loaded
-(corrupt file, unknown architecture), and job settings only the loaded model can refute (``cache.kv_group_size``
-not dividing its head_dim, ``input.apply_chat_template`` without a chat template). Failed rows are not errors:
+other files or another job's results, in use by another run or not writable; fixing the job file or data is the
+remedy and ``validate`` finds the same problems. Every other failure exits 1: downloading or hashing the model, a
+model that cannot be loaded (corrupt file, unknown architecture), job settings only the loaded model can refute
+(``cache.kv_group_size`` not dividing its head_dim, ``input.apply_chat_template`` without a chat template), and
+no space left in the output dir (``DiskFullError``: ``run`` prints its summary line first). Failed rows are not errors:
 ``run`` exits 3 (``--failed-exit-code``) when the output holds rows whose ``error`` is set.
 """
 
@@ -28,11 +29,11 @@ from .jobspec import JobSpecError, load_job
 from .loader import WeightsError
 from .models.base import ConfigError
 from .resolve import ModelResolveError, check_model_spec
-from .shards import OutputError
+from .shards import DiskFullError, OutputError
 from .tokenizer import TokenizerError
 
 USER_ERRORS = (CacheConfigError, JobSpecError, InputError, OutputError, ModelResolveError, GGUFError, ModelDirError, TokenizerError,
-               ConfigError, ChatTemplateError, WeightsError, DistributedError)
+               ConfigError, ChatTemplateError, WeightsError, DistributedError, DiskFullError)
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
@@ -74,8 +75,10 @@ def main():
       3    run: done, but some rows failed; their error column says why
            (--failed-exit-code N changes it, 0 makes it a success; --retry-failed redoes them)
       2    a problem with the job or its inputs (job file, model spec, input files and
-           columns, output dir), found before the model loads; or a bad command line
-      1    any other failure (model download or loading, Ray missing or failing)
+           columns, output dir: also one in use by another run, or not writable), found
+           before the model loads; or a bad command line
+      1    any other failure (model download or loading, Ray missing or failing, no space
+           left in the output dir: free some and run again to resume)
       130  run stopped by SIGINT (Ctrl-C); 143 by SIGTERM: run it again to resume
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
@@ -91,18 +94,23 @@ def main():
 @click.option("--no-progress", is_flag=True,
               help="No progress on stderr: no download bar, load and warm-up lines, or progress bar.")
 @click.option("--retry-failed", is_flag=True, help="Generate the committed rows whose error is set again, replacing them.")
+@click.option("--redo-corrupt", is_flag=True,
+              help="Check every committed shard (sha256 included), drop the missing or damaged ones from the "
+                   "manifest (recorded under 'dropped') and generate their rows again; the other rows are kept.")
 @click.option("--failed-exit-code", type=click.IntRange(0, 255), default=3, show_default=True,
               help="Exit status when the output holds failed rows (0: treat them as success).")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="auto", metavar="[ADDRESS|auto|local]",
               help="Run on a Ray cluster (executor: ray): --ray alone connects to the running cluster (auto), "
                    "--ray local starts one for this run, --ray HOST:PORT names one. Put it after JOB_FILE.")
-def run(job_file, output_dir, limit, force, no_progress, retry_failed, failed_exit_code, ray_address):
+def run(job_file, output_dir, limit, force, no_progress, retry_failed, redo_corrupt, failed_exit_code, ray_address):
     """Run JOB_FILE, or resume it where an earlier run stopped.
 
     Exit status: 0 all rows done; FAILED_EXIT_CODE (3) done but some rows failed (see their error
-    column; --retry-failed redoes them); 2 a problem with the job or its input (nothing generated);
-    1 another error (model download or load, Ray missing or failing); 130 / 143 stopped by SIGINT /
-    SIGTERM (run again to resume).
+    column; --retry-failed redoes them); 2 a problem with the job, its input or its output dir, such as
+    a committed shard that is missing or damaged (--redo-corrupt regenerates its rows; nothing generated);
+    1 another error (model download or load, Ray missing or failing, no space left in the output dir: free
+    some and run again); 130 / 143 stopped by SIGINT / SIGTERM (run again to resume). Another run on the
+    same output dir is refused (exit 2).
     """
     import dataclasses
 
@@ -114,7 +122,11 @@ def run(job_file, output_dir, limit, force, no_progress, retry_failed, failed_ex
             job = dataclasses.replace(job, executor="ray", ray=dataclasses.replace(job.ray, address=ray_address))
         _check_model_spec(job.model)
         summary = run_job(job, output_dir=output_dir, limit=limit, force=force, retry_failed=retry_failed,
-                          progress=not no_progress, echo=click.echo)
+                          redo_corrupt=redo_corrupt, progress=not no_progress, echo=click.echo)
+    except DiskFullError as e:  # exit 1, after the summary line of the run it stopped
+        if e.summary is not None:
+            click.echo(e.summary.line())
+        _fail(e)
     except USER_ERRORS as e:
         _fail(e)
     except KeyboardInterrupt:
@@ -131,8 +143,9 @@ def run(job_file, output_dir, limit, force, no_progress, retry_failed, failed_ex
 
 def validate_job(job_file: str) -> tuple[list[Exception], str]:
     """Every problem with a job found without loading the model: the job file, the model spec's form, the
-    input files and columns, the output dir (foreign files, or another job's results: comparing with
-    those resolves the model, which may download it), and for ``executor: ray`` whether Ray Data imports.
+    input files and columns, the output dir (in use by a run, not writable, foreign files, or another job's
+    results: comparing with those resolves the model, which may download it), and for ``executor: ray``
+    whether Ray Data imports.
 
     Returns:
         (problems, summary): the problems (``JOB_ERRORS``) and, when there are none, the ok line
@@ -141,6 +154,7 @@ def validate_job(job_file: str) -> tuple[list[Exception], str]:
 
     Raises:
         ModelResolveError, ...: resolving the model for the output-dir comparison failed (not a job problem).
+        DiskFullError: the output dir has no space for a test file.
     """
     from .runner import check_output_dir, plan_samples
 
@@ -221,15 +235,21 @@ def validate(job_file):
 @main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
-def status(out_dir, as_json):
+@click.option("--verify", is_flag=True,
+              help="Also check every committed shard's Parquet footer and sha256 against the manifest (reads them all).")
+def status(out_dir, as_json, verify):
     """Progress of the job whose output is OUT_DIR: rows done / failed / pending, tokens, tok/s, wall
-    time, ETA and the job's fingerprint."""
+    time, ETA and the job's fingerprint.
+
+    A committed shard that is missing, has another size or (--verify) fails its footer or sha256 check is
+    one `error:` line each, naming it; exit 2.
+    """
     import json
 
     from .status import format_status, job_status
 
     try:
-        st = job_status(out_dir)
+        st = job_status(out_dir, verify=verify)
     except USER_ERRORS as e:
         _fail(e)
     click.echo(json.dumps(st, indent=2) if as_json else format_status(st))

@@ -12,6 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import _blas
+from .compiled import cpu_compile_blocker
 from .loader import compute_dtype, load_model, should_dequantize
 from .modeldir import weight_files
 
@@ -75,7 +76,8 @@ def describe_model(spec: str) -> dict:
     ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``,
     ``context_length``, ``cache_layout``, ``eos_token_ids``, ``eos_tokens``, ``bos_token_id``,
     ``bos_token``, ``add_bos_token``, ``chat_template`` (whether there is one), ``device`` (MLX's default
-    device), ``cpu_blas`` (``pipeline._blas.BlasState.to_dict()``; None off the CPU) and ``dequantize_auto``
+    device), ``cpu_blas`` (``pipeline._blas.BlasState.to_dict()``; None off the CPU), ``cpu_compile``
+    ("available", or why ``mx.compile`` cannot compile on the CPU here; None off the CPU) and ``dequantize_auto``
     (whether a job's ``engine.dequantize: auto`` expands the quantized weights here) and ``compute_dtype``
     (``engine.dtype: auto`` here).
 
@@ -111,6 +113,7 @@ def describe_model(spec: str) -> dict:
         "chat_template": bool(tok.chat_template),
         "device": str(mx.default_device()),
         "cpu_blas": _blas.STATE.to_dict() if mx.default_device() == mx.cpu else None,
+        "cpu_compile": None if mx.default_device() != mx.cpu else (cpu_compile_blocker() or "available"),
         "dequantize_auto": any("bit" in k for k in kinds) and should_dequantize(model, compute_dtype("auto")),
         "compute_dtype": str(compute_dtype("auto")).removeprefix("mlx.core."),
     }
@@ -142,6 +145,8 @@ def format_description(d: dict) -> str:
     ]
     if d["cpu_blas"] is not None:
         rows.append(("cpu blas", d["cpu_blas"]["line"]))
+        rows.append(("cpu compile", d["cpu_compile"] if d["cpu_compile"] == "available"
+                     else f"no: {d['cpu_compile']}; decode runs eagerly"))
     if any("bit" in k for k in d["weight_tensors"]):
         rows.append(("jobs here", f"expand the quantized weights to {d['compute_dtype']} (engine.dequantize: auto)"
                      if d["dequantize_auto"] else "keep the quantized weights (engine.dequantize: auto)"))

@@ -1,6 +1,7 @@
 """``executor: ray``: a job's pending rows on a Ray cluster, through Ray Data.
 
-``runner.run_job`` plans as in local mode (pending samples, fingerprint, ``ShardStore``, run records).
+``runner.run_job`` plans as in local mode (pending samples, fingerprint, ``ShardStore``, run records), and the
+driver holds the output dir's lock (``outdir.RunLock``) as a local run does, until the cluster is closed.
 It connects to the cluster (``open_cluster``: ``ray.address``; Ray is imported only here, only then)
 before it writes anything in the output directory; sizes the actors for the units that will run
 (``Cluster.prepare``: ``actor_resources``) and checks that every node sees the output directory
@@ -50,7 +51,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .jobspec import JobSpec, JobSpecError, RaySpec
-from .shards import OutputError, ShardStore, write_shard
+from .shards import OutputError, ShardStore, disk_full, write_shard
 
 UNIT_RETRIES = 3  # runs of a unit after its actor died, before the job fails
 CPU_SHARE = 0.75  # of the cluster's CPUs reserved for CPU actors by default; the rest for Ray Data's tasks
@@ -286,12 +287,16 @@ def probe_storage(ray, out_dir: Path) -> None:
 
     Raises:
         OutputError: a node that does not share the directory (named by address and host name).
+        DiskFullError: no space for the driver's probe file.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     token = secrets.token_hex(8)
     mark = out_dir / f".probe-{token}.tmp"
-    mark.write_text(token)
+    try:
+        mark.write_text(token)
+    except OSError as e:
+        raise disk_full(e, out_dir, mark.name) or e
     try:
         nodes = [n for n in ray.nodes() if n.get("Alive") and
                  (n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0)]
@@ -408,8 +413,11 @@ class _UnitWorker:
         from .runner import generate_samples
 
         attempts = Path(self.out_dir) / f".{unit}.attempts.tmp"
-        with open(attempts, "a") as f:
-            f.write(".")
+        try:
+            with open(attempts, "a") as f:
+                f.write(".")
+        except OSError as e:
+            raise disk_full(e, self.out_dir, attempts.name) or e  # a DiskFullError pickles back to the driver
         if attempts.stat().st_size > UNIT_RETRIES + 1:
             raise DistributedError(f"unit {unit}: its actor died {UNIT_RETRIES + 1} times running it; see the "
                                    "actors' logs (ray logs, or the Ray dashboard)")

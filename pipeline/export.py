@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from .inputs import InputError, read_input
 from .jobspec import JobSpec, JobSpecError, job_from_dict
-from .shards import OutputError, read_manifest
+from .shards import OutputError, read_manifest, read_shard_verified
 
 FORMATS = ("parquet", "jsonl", "hf-dir")
 _JSON_DECIMALS = 15  # pandas' most; floats in JSON Lines keep 15 decimal places
@@ -48,23 +48,25 @@ class ExportSummary:
         return f"wrote {self.rows} rows x {self.columns} columns to {self.path} ({self.format}, sorted by {by})"
 
 
-def read_committed(out_dir: str | Path) -> tuple[dict, pa.Table | None]:
+def read_committed(out_dir: str | Path, warn: Callable[[str], None] | None = None) -> tuple[dict, pa.Table | None]:
     """The manifest of ``out_dir`` and its committed rows in commit order (the manifest's ``shards``
-    list; other files in the directory are never read), or None when nothing is committed.
+    list; other files in the directory are never read), or None when nothing is committed. Each shard is
+    read once and parsed from the bytes whose size and sha256 were checked (``read_shard_verified``);
+    ``warn`` gets a note when entries record no sha256 (an older manifest's: not verified).
 
     Raises:
-        OutputError: no manifest, an unreadable one, or a committed shard that is missing or unreadable.
+        OutputError: no manifest, an unreadable one, or a committed shard that is missing, damaged (size or
+            sha256 differ from the manifest's) or unreadable; the line names it and the way out.
     """
     out_dir = Path(out_dir)
     manifest = read_manifest(out_dir)
     if manifest is None:
         raise OutputError(f"{out_dir}: no manifest.json (not a pipeline output directory, or nothing committed yet)")
-    tables = []
-    for s in manifest["shards"]:
-        try:
-            tables.append(pq.read_table(out_dir / s["file"]))
-        except (OSError, pa.ArrowException) as e:
-            raise OutputError(f"{out_dir / s['file']}: committed shard not readable: {e}") from None
+    tables = [read_shard_verified(out_dir, s) for s in manifest["shards"]]
+    unhashed = [s["file"] for s in manifest["shards"] if "sha256" not in s]
+    if unhashed and warn is not None:
+        warn(f"note: {len(unhashed)} committed shard(s) record no sha256 (an older manifest), so their bytes "
+             f"were not verified ({', '.join(unhashed[:3])}{' ...' if len(unhashed) > 3 else ''})")
     if not tables:
         return manifest, None
     return manifest, pa.concat_tables(tables, promote_options="permissive")
@@ -178,17 +180,19 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
         join_input: add the input's columns (the id column aside; names the results use get an
             ``input_`` prefix), nulls for rows no longer in the input.
         overwrite: replace an existing destination (a directory only if it is a saved dataset or empty).
-        warn: where a note goes when the input cannot be read (the rows are then sorted by id).
+        warn: where a note goes when the input cannot be read (the rows are then sorted by id), or when
+            shards record no sha256 to verify (an older manifest).
 
     Raises:
-        OutputError: ``out_dir`` has no manifest or a committed shard is missing.
+        OutputError: ``out_dir`` has no manifest, or a committed shard is missing or damaged (its bytes do
+            not match the manifest's size or sha256): nothing is written.
         ExportError: nothing committed, unknown format, destination exists or lies inside ``out_dir``.
         InputError: ``join_input`` and the input cannot be read.
     """
     out_dir, dest = Path(out_dir), Path(to)
     fmt = export_format(to)
     _check_destination(out_dir, dest, fmt, overwrite)
-    manifest, table = read_committed(out_dir)
+    manifest, table = read_committed(out_dir, warn)
     if table is None:
         raise ExportError(f"{out_dir}: no committed rows to export")
     job = manifest_job(manifest)

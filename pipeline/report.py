@@ -249,7 +249,8 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
 
     Raises:
         ReportError: matplotlib is not installed.
-        OutputError: ``out_dir`` has no manifest or a committed shard is missing.
+        OutputError: ``out_dir`` has no manifest, or a committed shard is missing or damaged (as in
+            ``pipeline export``).
     """
     try:
         import matplotlib  # noqa: F401

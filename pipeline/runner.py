@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from . import __version__, _blas
+from . import __version__, _blas, outdir
 from .batch import BatchEngine, Request, check_kv_memory
 from .describe import parameter_count
 from .engine import GenerateParams
@@ -28,7 +28,7 @@ from .resolve import resolve_model
 from .results import Result, result_schema, results_table
 from .sampler import row_seed
 from . import shards
-from .shards import ShardStore, read_manifest
+from .shards import DiskFullError, OutputError, ShardStore, read_manifest
 from .tokenizer import TokenizerError
 
 
@@ -53,6 +53,8 @@ class RunSummary:
         closures: compiled decode closures the engine built (bounded by the distinct graph shapes); on Ray,
             the sum over the actors (each builds its own).
         interrupted: None, "SIGINT" or "SIGTERM".
+        stopped: why a write into the output dir failed and stopped the run (``no space left on device while
+            writing part-00003.parquet``: ``shards.DiskFullError``), else None.
         aborted: a second signal stopped the run at once; finished rows not yet committed were dropped.
         workers: ``executor: ray``: per Ray actor (``host:pid``), the units, rows, completion tokens and
             seconds of the units it ran and its warm-up seconds (``warmup_s``); empty in local mode.
@@ -70,6 +72,7 @@ class RunSummary:
     shards: int = 0
     closures: int = 0
     interrupted: str | None = None
+    stopped: str | None = None
     aborted: bool = False
     workers: dict[str, dict] = dataclasses.field(default_factory=dict)
     cpu_blas: str | None = None
@@ -79,6 +82,9 @@ class RunSummary:
         return self.rows_skipped + self.rows_written == self.rows_total
 
     def line(self) -> str:
+        if self.stopped:
+            return (f"stopped ({self.stopped}): {self.rows_skipped + self.rows_written}/{self.rows_total} rows "
+                    f"committed in {self.out_dir}; free space, then run the same command again to resume")
         if self.interrupted:
             how = "aborted" if self.aborted else "interrupted"
             return (f"{how} ({self.interrupted}): {self.rows_skipped + self.rows_written}/{self.rows_total} rows "
@@ -154,19 +160,28 @@ def job_fingerprint(job: JobSpec) -> dict:
 
 def check_output_dir(job: JobSpec, output_dir: str | None = None) -> dict | None:
     """Check without writing that the job's output dir is new, empty, or holds this job's results
-    (for ``pipeline validate``).
+    (for ``pipeline validate``), and that each committed shard is there with its recorded size and an
+    intact Parquet footer (``shards.check_shards``; no hashing). First, that no run holds its lock
+    (``outdir.check_not_in_use``) and that it can be written (``outdir.check_writable``: a test file created
+    and removed in it, or in its nearest existing parent).
 
     Returns:
         The output dir's manifest, or None when it has none (new or empty).
 
     Raises:
-        OutputError: naming the fingerprint fields that differ, or foreign files.
+        OutputError: the dir is in use by a run, or not writable; naming the fingerprint fields that differ,
+            or foreign files; or the committed shards that are missing or damaged, one line each.
+        DiskFullError: not even the test file fits.
     """
     out_dir = Path(output_dir or job.output.dir)
+    outdir.check_not_in_use(out_dir)
+    outdir.check_writable(out_dir)
     if read_manifest(out_dir) is None:
         shards.check_output_dir(out_dir, {})
         return None
-    return shards.check_output_dir(out_dir, job_fingerprint(job))
+    manifest = shards.check_output_dir(out_dir, job_fingerprint(job))
+    shards.check_shards(out_dir, manifest["shards"], footer=True).raise_bad()
+    return manifest
 
 
 def generate_params(gen: GenerationSpec, seed: int) -> GenerateParams:
@@ -372,7 +387,7 @@ class _Signals:
 
 
 def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = None, force: bool = False,
-            retry_failed: bool = False, progress: bool = True, echo=print,
+            retry_failed: bool = False, redo_corrupt: bool = False, progress: bool = True, echo=print,
             on_result: Callable[[Result], None] | None = None) -> RunSummary:
     """Run (or resume) a job, in this process or (``executor: ray``) on a Ray cluster
     (``pipeline.distributed.run_units``): the same planning, rows and resume either way.
@@ -390,6 +405,8 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
         force: resume even if the job's fingerprint changed; the rows this run commits are recorded as
             made with its settings (``ShardStore``), the committed ones keep theirs.
         retry_failed: generate committed rows whose ``error`` is set again, replacing them.
+        redo_corrupt: check every committed shard's sha256 (not only the last run's), drop the missing and
+            damaged ones from the manifest (recorded under ``dropped``) and generate their rows again.
         progress: show progress on stderr: the model download (``resolve.fetch_wheel_model``), one line each
             for loading and warming up the model with their seconds, and a tqdm bar of rows finished whose
             tok/s (tokens generated so far, rows in flight included, over elapsed seconds) is redrawn about
@@ -398,33 +415,49 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
         on_result: called with each finished ``Result`` (before it is committed); local mode only.
 
     Raises:
-        InputError, OutputError, ModelResolveError, GGUFError, TokenizerError: before any generation.
+        InputError, OutputError, ModelResolveError, GGUFError, TokenizerError: before any generation
+            (OutputError: also committed shards that are missing or damaged, without ``redo_corrupt``).
         DistributedError: ``executor: ray`` without Ray Data installed, no cluster at ``ray.address`` (both
             before the output dir is touched), or a failed run on the cluster.
         ResourceError: ``executor: ray`` asking for more CPUs or GPUs than the cluster has (before the run
             is recorded).
+        OutputError: also, before the model is resolved: another run holds the output dir's lock
+            (``outdir.RunLock``), or the output dir is not writable (``outdir.check_writable``).
+        DiskFullError: a write into the output dir found no space or quota left: the rows committed stay, the
+            run record says why (best effort), ``committed`` counts the rows committed and ``summary`` is set
+            once the run was recorded.
     """
-    with contextlib.ExitStack() as cleanup:  # executor: ray: the cluster connection, closed at the end
-        return _run_job(job, cleanup, output_dir=output_dir, limit=limit, force=force, retry_failed=retry_failed,
-                        progress=progress, echo=echo, on_result=on_result)
+    # held: the output dir's lock, released last (after the Ray cluster is closed and no actor writes any more)
+    with contextlib.ExitStack() as held, contextlib.ExitStack() as cleanup:
+        try:
+            return _run_job(job, cleanup, held, output_dir=output_dir, limit=limit, force=force,
+                            retry_failed=retry_failed, redo_corrupt=redo_corrupt, progress=progress, echo=echo,
+                            on_result=on_result)
+        except DiskFullError as e:
+            if e.committed is not None:  # from _finish: the run record says so
+                raise
+            raise DiskFullError(e.out_dir, e.file, e.reason, committed=_rows_committed(e.out_dir)) from None
 
 
-def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, force, retry_failed, progress, echo,
-             on_result) -> RunSummary:
-    """``run_job``; ``cleanup`` closes the Ray cluster connection."""
+def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitStack, *, output_dir, limit, force,
+             retry_failed, redo_corrupt, progress, echo, on_result) -> RunSummary:
+    """``run_job``; ``cleanup`` closes the Ray cluster connection, then ``held`` releases the output dir's lock."""
     if job.executor == "ray":
         from .distributed import import_ray, open_cluster, run_units
 
         import_ray()  # missing Ray Data: one error line, before the output dir is touched
     out_dir = Path(output_dir or job.output.dir)
     rows, id_type = read_rows(job.input, limit)
+    outdir.check_not_in_use(out_dir)  # another run's: refused at once, nothing resolved or touched
+    outdir.check_writable(out_dir)  # before the model is resolved (perhaps downloaded) and loaded
     path = resolve_model(job.model, progress=progress)
     fp = fingerprint(job, model_identity(job.model, path))
+    shards.check_output_dir(out_dir, fp, force=force)  # a job problem first, without writing (not even the lock)
     cluster = None
     if job.executor == "ray":
-        shards.check_output_dir(out_dir, fp, force=force)  # a job problem first, without writing
         cluster = cleanup.enter_context(open_cluster(job.ray.address))  # nothing written if this fails
-    store = ShardStore(out_dir, fp, force=force)
+    held.enter_context(outdir.RunLock(out_dir, note=echo))  # before ShardStore removes leftovers: one run at a time
+    store = ShardStore(out_dir, fp, force=force, redo_corrupt=redo_corrupt)
     inputs = input_state(job)
     _report_open(store, inputs, echo)
     done = store.committed_keys()
@@ -440,14 +473,18 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, 
     store.manifest["info"] = {"python": sys.version.split()[0], "job": job.to_dict()}
     store.manifest.pop("plan", None)  # a Ray run's units: adopted or removed on open; a Ray run plans anew
     run_record = {"started": _now(), "rows_pending": len(pending), "retry_failed": retry_failed, "force": force,
-                  "executor": job.executor}
+                  "redo_corrupt": redo_corrupt, "executor": job.executor}
     store.add_run(run_record)  # with the fingerprint; the shards this run commits name it
-    store.save()
+    try:
+        store.save()
+    except DiskFullError as e:
+        return _finish(summary, store, run_record, e)
     if not pending:
         if changed := shards.diff_fields(store.manifest["fingerprint"], fp):  # --force, nothing to generate
             echo(f"--force: no row to generate, so the committed rows keep their recorded settings "
                  f"(changed: {', '.join(changed)})")
         return _finish(summary, store, run_record)
+    stopped = None  # the DiskFullError that stopped the run
     if job.executor == "ray":
         with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "units") as signals:
             try:
@@ -456,7 +493,9 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, 
                           echo=echo)
             except Aborted as e:
                 summary.interrupted, summary.aborted = str(e), True
-        return _finish(summary, store, run_record)
+            except DiskFullError as e:  # a unit's shard or the manifest: the units committed are kept
+                stopped = e
+        return _finish(summary, store, run_record, stopped)
 
     say = (lambda m: tqdm.write(m, file=sys.stderr)) if progress else (lambda m: None)
     t_load = time.perf_counter()
@@ -513,13 +552,15 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, *, output_dir, limit, 
                 summary.interrupted = signals.first
             except Aborted as e:
                 summary.interrupted, summary.aborted = signals.first or str(e), True
+            except DiskFullError as e:  # a shard or the manifest did not fit: the rows not committed are redone
+                stopped = e
     finally:
         if refresher is not None:
             refresher.stop()
         bar.close()
     summary.elapsed_s = time.perf_counter() - t0
     summary.closures = lm.engine.closure_count + batch_closures
-    return _finish(summary, store, run_record)
+    return _finish(summary, store, run_record, stopped)
 
 
 class BarRefresher:
@@ -679,9 +720,23 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _finish(summary: RunSummary, store: ShardStore, run_record: dict) -> RunSummary:
+def _finish(summary: RunSummary, store: ShardStore, run_record: dict,
+            stopped: DiskFullError | None = None) -> RunSummary:
+    """Finish the run record and save the manifest; returns ``summary``.
+
+    Args:
+        stopped: the write that found no space and stopped the run: the run record says so (``stopped``),
+            best effort (the manifest may not fit either), and the error is raised again.
+
+    Raises:
+        DiskFullError: ``stopped`` (or the manifest write here found no space), with the rows committed, the
+            summary, and a ``note`` when the run record could not be saved.
+    """
     summary.shards = len(store.manifest["shards"])
     summary.failed_total = len(store.failed_keys())
+    if stopped is not None:
+        summary.stopped = f"{stopped.reason} while writing {stopped.file}"
+        run_record["stopped"] = summary.stopped
     run_record.update(finished=_now(), rows_written=summary.rows_written, rows_failed=summary.rows_failed,
                       completion_tokens=summary.completion_tokens, elapsed_s=round(summary.elapsed_s, 3),
                       interrupted=summary.interrupted, aborted=summary.aborted)
@@ -689,8 +744,28 @@ def _finish(summary: RunSummary, store: ShardStore, run_record: dict) -> RunSumm
         run_record["workers"] = {k: {**w, "seconds": round(w["seconds"], 3), "warmup_s": round(w.get("warmup_s", 0.0), 3)}
                                  for k, w in summary.workers.items()}
     store.manifest["complete"] = summary.complete
-    store.save()
-    return summary
+    note = None
+    try:
+        store.save()
+    except DiskFullError as e:
+        if stopped is None:
+            stopped, summary.stopped = e, f"{e.reason} while writing {e.file}"
+        note = (f"the run record could not be saved ({e.reason} while writing {e.file}): manifest.json holds "
+                "the last commit, without this run's end")
+    if stopped is None:
+        return summary
+    error = DiskFullError(stopped.out_dir, stopped.file, stopped.reason, committed=store.manifest["rows"], note=note)
+    error.summary = summary
+    raise error from None
+
+
+def _rows_committed(out_dir: str | Path) -> int:
+    """Rows the manifest of ``out_dir`` lists as committed (0 without a readable one)."""
+    try:
+        manifest = read_manifest(out_dir)
+    except OutputError:
+        return 0
+    return 0 if manifest is None else manifest.get("rows", 0)
 
 
 def _report_open(store: ShardStore, inputs: list[dict], echo) -> None:
@@ -704,6 +779,14 @@ def _report_open(store: ShardStore, inputs: list[dict], echo) -> None:
     if r.adopted:
         echo(f"adopted {len(r.adopted)} complete unit shard(s) written before the last run stopped "
              f"({', '.join(r.adopted[:5])}); their rows are committed now")
+    if r.dropped:
+        what = "; ".join(f"{d['file']} {d['problem']}" for d in r.dropped[:5])
+        echo(f"--redo-corrupt: dropped {len(r.dropped)} damaged shard(s) from the manifest ({what}"
+             f"{'; ...' if len(r.dropped) > 5 else ''}); their {sum(d['rows'] for d in r.dropped)} rows are "
+             "generated again")
+    elif r.check is not None:
+        unhashed = f"; {len(r.check.unhashed)} record no sha256 (size and footer checked)" if r.check.unhashed else ""
+        echo(f"--redo-corrupt: no damaged shard ({r.check.hashed} committed shard(s) match their sha256{unhashed})")
     before = store.manifest.get("inputs")
     if before is not None and before != inputs:
         echo("the input files changed since the last run: rows added are generated, committed rows are kept")

@@ -20,16 +20,27 @@ resume is compared with: the settings of the last rows committed. A ``--force`` 
 switches it (recorded under ``forced``) when it commits its first shard, not before, so a forced run
 that generates nothing leaves the record as it was. Manifests written before these fields existed have
 neither; ``pipeline.status`` attributes their rows as well as it can (``run_fingerprints``).
+
+Integrity of committed shards (``check_shards``): opening the store checks every committed shard's presence,
+size and Parquet footer (cheap: the footer only) and the sha256 of the shards of the newest run that committed
+any (a torn write); ``pipeline status --verify`` checks every sha256, ``pipeline export`` hashes the bytes it
+parses (``read_shard_verified``). Each damaged shard is one line (``shard_error``) naming the file and the way
+out: ``redo_corrupt`` drops the damaged shards from the manifest in one atomic write, recording each entry with
+its problem under ``dropped``, so their rows are pending again and every other committed row is kept. Entries
+without ``sha256`` (older manifests) are checked for what they record.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
 import re
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,10 +53,48 @@ os.umask(_UMASK)
 FORMAT_VERSION = 2
 _SHARD_NAME = re.compile(r"part-(\d{5,})\.parquet")
 _UNIT_NAME = re.compile(r"unit-\d{5,}\.parquet")
+_MAGIC = b"PAR1"  # a Parquet file starts and ends with it (the footer's length comes just before the end)
+REDO = "pipeline run JOB --redo-corrupt"
+MISSING = "is missing"
 
 
 class OutputError(RuntimeError):
     """The output directory cannot be used (foreign contents, different job, unreadable manifest)."""
+
+
+class DiskFullError(RuntimeError):
+    """A write into the output directory found no space (ENOSPC) or no quota (EDQUOT) left: not a problem
+    with the job (the CLI exits 1). The file being written was not replaced and its temporary file is gone;
+    the committed shards stay valid: free space and run again to resume.
+
+    Attributes:
+        out_dir: the output directory.
+        file: the file being written (``part-00003.parquet``, ``manifest.json``, ...).
+        reason: ``no space left on device`` or ``disk quota exceeded``.
+        committed: rows committed in ``out_dir`` when the run stopped (``runner.run_job`` sets it), else None.
+        note: a further line, e.g. that the run record could not be saved either; else None.
+        summary: the ``runner.RunSummary`` of the run it stopped (``runner.run_job``), else None.
+    """
+
+    def __init__(self, out_dir: str | Path, file: str, reason: str, committed: int | None = None,
+                 note: str | None = None):
+        super().__init__(str(out_dir), file, reason, committed, note)  # args: pickles (a Ray actor's error)
+        self.out_dir, self.file, self.reason, self.committed, self.note = str(out_dir), file, reason, committed, note
+        self.summary = None
+
+    def __str__(self) -> str:
+        text = f"output.dir {self.out_dir!r}: {self.reason} while writing {self.file}"
+        if self.committed is not None:
+            text += f"; {self.committed} row{'s' * (self.committed != 1)} committed, resume after freeing space"
+        return text + (f"\n{self.note}" if self.note else "")
+
+
+def disk_full(e: BaseException, out_dir: str | Path, file: str) -> DiskFullError | None:
+    """``e`` as a ``DiskFullError`` when it is an ``OSError`` ENOSPC or EDQUOT (writing ``file`` in
+    ``out_dir``), else None."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(out_dir, file, os.strerror(e.errno).lower())
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -58,17 +107,26 @@ def _fsync_dir(path: Path) -> None:
 
 def atomic_write(path: Path, write) -> None:
     """Write ``path`` via ``write(file_object)`` into a temporary file in the same directory, fsync it,
-    rename it over ``path`` and fsync the directory: readers see the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    rename it over ``path`` and fsync the directory: readers see the old file or the new one.
+
+    Raises:
+        DiskFullError: no space or quota left before the rename; ``path`` is as it was, the temporary file
+            removed.
+    """
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are ordinary files
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if (full := disk_full(e, path.parent, path.name)) is not None:
+            raise full from None  # one error, not the write's and then the close's
         raise
     _fsync_dir(path.parent)
 
@@ -121,11 +179,16 @@ class OpenReport:
             committing them; their rows were not committed and are generated again).
         adopted: complete unit shards of the manifest's plan that were written but not committed,
             verified and committed now.
+        dropped: with ``redo_corrupt``, the manifest entries of the damaged committed shards dropped (each
+            with its ``problem`` and the time ``dropped``, as recorded under the manifest's ``dropped``).
+        check: with ``redo_corrupt``, the full check of every committed shard (sha256 included); else None.
     """
 
     temporaries: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)
+    dropped: list[dict] = field(default_factory=list)
+    check: ShardCheck | None = None
 
 
 def read_manifest(out_dir: str | Path) -> dict | None:
@@ -146,10 +209,172 @@ def read_manifest(out_dir: str | Path) -> dict | None:
     return manifest
 
 
+def shard_error(out_dir: str | Path, entry: dict, problem: str) -> str:
+    """The one-line error for a damaged committed shard: its path, what is wrong (``problem``, from
+    ``check_shards`` or a failed read) and the way out (restore it, or ``--redo-corrupt``)."""
+    path = Path(out_dir) / entry["file"]
+    if problem == MISSING:
+        return f"{path}: committed shard is missing ({entry['rows']} rows); restore it, or {REDO} generates them again"
+    return (f"{path}: committed shard {problem}; it was changed after commit; {REDO} generates its "
+            f"{entry['rows']} rows again")
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _size_problem(entry: dict, size: int) -> str | None:
+    if "bytes" in entry and size != entry["bytes"]:
+        return f"has {size} bytes, the manifest says {entry['bytes']}"
+    return None
+
+
+def _hash_problem(entry: dict, digest: str) -> str | None:
+    if digest != entry["sha256"]:
+        return f"has sha256 {digest[:12]}..., the manifest says {entry['sha256'][:12]}..."
+    return None
+
+
+def _footer_problem(path: Path, size: int, rows: int) -> str | None:
+    """What is wrong with a Parquet file's framing and footer, reading neither data pages nor more than the
+    footer: the ``PAR1`` magic at both ends, a footer length that fits, metadata that pyarrow parses, the
+    manifest's row count, and every column chunk inside the data region (Parquet format spec, "File Format")."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(size - 8, 0))
+        tail = f.read(8)
+        if size < 12 or head != _MAGIC or tail[4:] != _MAGIC:
+            return "has a damaged Parquet footer (no PAR1 magic at its " + ("start)" if head != _MAGIC else "end)")
+        footer_len = int.from_bytes(tail[:4], "little")
+        if footer_len > size - 12:
+            return f"has a damaged Parquet footer (footer length {footer_len} exceeds the file)"
+        try:
+            f.seek(0)
+            md = pq.read_metadata(f)
+            if md.num_rows != rows:
+                return f"has a Parquet footer of {md.num_rows} rows, the manifest says {rows}"
+            data_end = size - 8 - footer_len
+            for i in range(md.num_row_groups):
+                for j in range(md.row_group(i).num_columns):
+                    c = md.row_group(i).column(j)
+                    start = c.data_page_offset
+                    if c.has_dictionary_page and 4 <= (c.dictionary_page_offset or 0) < start:
+                        start = c.dictionary_page_offset  # the dictionary page comes first
+                    if start < 4 or start + c.total_compressed_size > data_end:
+                        return (f"has a damaged Parquet footer (column {c.path_in_schema} of row group {i} lies "
+                                "outside the data)")
+        except (OSError, ValueError, pa.ArrowException) as e:
+            return f"has a damaged Parquet footer ({_first_line(e)})"
+    return None
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class ShardCheck:
+    """What ``check_shards`` found.
+
+    Attributes:
+        out_dir: the output directory.
+        bad: ``(entry, problem)`` for each damaged shard, in manifest order (``errors`` gives the lines).
+        hashed: shards whose sha256 was computed and matched the manifest's.
+        unhashed: files that were to be hashed but whose entry records no sha256 (older manifests).
+    """
+
+    out_dir: Path
+    bad: list[tuple[dict, str]] = field(default_factory=list)
+    hashed: int = 0
+    unhashed: list[str] = field(default_factory=list)
+
+    def errors(self) -> list[str]:
+        return [shard_error(self.out_dir, e, p) for e, p in self.bad]
+
+    def raise_bad(self) -> None:
+        """Raises: OutputError: one line per damaged shard (``shard_error``), if any."""
+        if self.bad:
+            raise OutputError("\n".join(self.errors()))
+
+
+def check_shards(out_dir: str | Path, entries: list[dict], *, footer: bool = True,
+                 digest: Callable[[dict], bool] = lambda entry: False) -> ShardCheck:
+    """Check committed shards against their manifest entries, cheapest first, stopping at each shard's first
+    problem: the file is there; its size (``bytes``); with ``footer``, its Parquet framing and footer
+    (reads the footer only); where ``digest(entry)``, its sha256 (reads the whole file). What an entry does
+    not record (``bytes``, ``sha256``: older manifests) is not checked. Reads only."""
+    out_dir = Path(out_dir)
+    check = ShardCheck(out_dir)
+    for e in entries:
+        path = out_dir / e["file"]
+        try:
+            if not path.is_file():
+                problem = MISSING
+            else:
+                size = path.stat().st_size
+                problem = _size_problem(e, size) or (_footer_problem(path, size, e["rows"]) if footer else None)
+                if problem is None and digest(e):
+                    if "sha256" not in e:
+                        check.unhashed.append(e["file"])
+                    elif not (problem := _hash_problem(e, _file_sha256(path))):
+                        check.hashed += 1
+        except OSError as err:
+            problem = f"is not readable ({err.strerror or _first_line(err)})"
+        if problem:
+            check.bad.append((e, problem))
+    return check
+
+
+def read_shard(out_dir: str | Path, entry: dict, columns: list[str] | None = None) -> pa.Table:
+    """One committed shard's rows (only ``columns`` if given), read without verifying its bytes.
+
+    Raises:
+        OutputError: the file is missing or not readable as Parquet (``shard_error``'s line).
+    """
+    path = Path(out_dir) / entry["file"]
+    try:
+        return pq.read_table(path, columns=columns)
+    except (OSError, pa.ArrowException) as e:
+        problem = MISSING if not path.is_file() else f"is not readable as Parquet ({_first_line(e)})"
+        raise OutputError(shard_error(out_dir, entry, problem)) from None
+
+
+def read_shard_verified(out_dir: str | Path, entry: dict) -> pa.Table:
+    """One committed shard, read once into memory, its size and sha256 checked against ``entry`` where it
+    records them, and parsed from those same bytes (so what is returned is what was hashed).
+
+    Raises:
+        OutputError: the file is missing, has another size or sha256, or is not readable as Parquet.
+    """
+    path = Path(out_dir) / entry["file"]
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        problem = MISSING if not path.is_file() else f"is not readable ({e.strerror or _first_line(e)})"
+        raise OutputError(shard_error(out_dir, entry, problem)) from None
+    problem = _size_problem(entry, len(data))
+    if problem is None and "sha256" in entry:
+        problem = _hash_problem(entry, hashlib.sha256(data).hexdigest())
+    if problem is None:
+        try:
+            return pq.read_table(pa.BufferReader(data))
+        except (OSError, pa.ArrowException) as e:
+            problem = f"is not readable as Parquet ({_first_line(e)})"
+    raise OutputError(shard_error(out_dir, entry, problem))
+
+
 def read_committed(out_dir: str | Path, manifest: dict, columns: list[str] | None = None) -> pa.Table | None:
     """The rows of the shards ``manifest`` lists (only ``columns`` if given), in commit order; None if
-    there are none. Reads only; for a directory another process may be writing."""
-    tables = [pq.read_table(Path(out_dir) / e["file"], columns=columns) for e in manifest["shards"]]
+    there are none. Reads only; for a directory another process may be writing.
+
+    Raises:
+        OutputError: a committed shard is missing or not readable as Parquet (``read_shard``).
+    """
+    tables = [read_shard(out_dir, e, columns) for e in manifest["shards"]]
     return pa.concat_tables(tables) if tables else None
 
 
@@ -192,8 +417,10 @@ class ShardStore:
     """The output directory of one job; the only writer of its manifest.
 
     Opening it removes leftover temporary files and uncommitted shard files (see ``report``), checks
-    that every committed shard is present with its recorded size, and adopts the complete unit shards
-    of the plan that were not committed (only when the run that planned them had this fingerprint).
+    that every committed shard is present with its recorded size and an intact Parquet footer, and that the
+    shards of the newest run that committed any match their sha256 (``check_shards``), and adopts the
+    complete unit shards of the plan that were not committed (only when the run that planned them had this
+    fingerprint).
 
     Args:
         out_dir: the directory (created if missing).
@@ -201,6 +428,8 @@ class ShardStore:
             different fingerprint is refused unless ``force``.
         force: continue despite a different fingerprint: the manifest's fingerprint becomes this one
             (recorded under ``forced``) once a shard made with it is committed.
+        redo_corrupt: check every committed shard's sha256 too, and drop the damaged ones from the manifest
+            instead of raising (``report.dropped``): their rows are pending again, the others stay committed.
 
     Attributes:
         run: the number (1-based index into the manifest's ``runs``) of the run whose shards are being
@@ -208,10 +437,11 @@ class ShardStore:
             recorded (which planned any unit shard adopted on open).
 
     Raises:
-        OutputError: see ``check_output_dir``; or a committed shard is missing or has another size.
+        OutputError: see ``check_output_dir``; or (without ``redo_corrupt``) committed shards that are missing
+            or damaged, one line each (``shard_error``).
     """
 
-    def __init__(self, out_dir: str | Path, fingerprint: dict, *, force: bool = False):
+    def __init__(self, out_dir: str | Path, fingerprint: dict, *, force: bool = False, redo_corrupt: bool = False):
         self.dir = Path(out_dir)
         manifest = check_output_dir(self.dir, fingerprint, force=force)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -226,7 +456,7 @@ class ShardStore:
         self.run = len(runs) or None
         planner = runs[-1].get("fingerprint", manifest["fingerprint"]) if runs else manifest["fingerprint"]
         self.report = self._clean()
-        self._verify()
+        self._check_committed(redo_corrupt)
         self._adopt_units(self.report, allowed=not diff_fields(planner, fingerprint))
 
     def add_run(self, record: dict) -> int:
@@ -285,14 +515,35 @@ class ShardStore:
         if found:
             _fsync_dir(self.dir)
 
-    def _verify(self) -> None:
-        for s in self.manifest["shards"]:
-            path = self.dir / s["file"]
-            if not path.is_file():
-                raise OutputError(f"{path}: committed shard is missing ({s['rows']} rows); restore it or use a new output dir")
-            if "bytes" in s and path.stat().st_size != s["bytes"]:
-                raise OutputError(f"{path}: committed shard has {path.stat().st_size} bytes, the manifest says "
-                                  f"{s['bytes']}; it was changed after commit")
+    def _check_committed(self, redo: bool) -> None:
+        """``check_shards`` on open: presence, size and footer of every shard, sha256 of the newest run's
+        (``redo``: of every shard); raise, or with ``redo`` drop what is damaged."""
+        shards = self.manifest["shards"]
+        newest = max((s["run"] for s in shards if isinstance(s.get("run"), int)), default=None)
+        check = check_shards(self.dir, shards, footer=True,
+                             digest=lambda s: redo or (newest is not None and s.get("run") == newest))
+        if not redo:
+            check.raise_bad()
+            return
+        self.report.check = check
+        if check.bad:
+            self._drop(check.bad)
+
+    def _drop(self, bad: list[tuple[dict, str]]) -> None:
+        """Remove the shards of ``bad`` from the manifest in one atomic write, each entry recorded with its
+        problem under ``dropped``, then delete their files; their rows are no longer committed."""
+        gone = {e["file"] for e, _ in bad}
+        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        records = [{**e, "problem": problem, "dropped": when} for e, problem in bad]
+        self.manifest.setdefault("dropped", []).extend(records)
+        self.manifest["shards"] = [s for s in self.manifest["shards"] if s["file"] not in gone]
+        self.manifest["rows"] = sum(s["rows"] for s in self.manifest["shards"])
+        self.manifest["complete"] = False
+        self._write_manifest()
+        for name in gone:
+            (self.dir / name).unlink(missing_ok=True)
+        _fsync_dir(self.dir)
+        self.report.dropped = records
 
     @property
     def shard_files(self) -> list[Path]:
@@ -325,15 +576,28 @@ class ShardStore:
         Returns the shard file name."""
         entry = write_shard(self.dir, self.next_name(), table)
         self.manifest["next_shard"] += 1
-        self.commit_written(entry, replaces)
+        try:
+            self.commit_written(entry, replaces)
+        except DiskFullError:
+            (self.dir / entry["file"]).unlink(missing_ok=True)  # not committed: give its space back
+            raise
         return entry["file"]
 
     def commit_written(self, entry: dict, replaces: set[tuple] = frozenset()) -> None:
         """Commit one shard already written with ``write_shard``, dropping the committed rows whose
         ``(id, sample_index)`` is in ``replaces`` in the same commit; a unit shard leaves the plan."""
         rewritten = self._without(replaces) if replaces else {}
-        self.manifest.get("plan", {}).get("units", {}).pop(entry["file"], None)
-        self.commit_entries([entry], rewritten)
+        units = self.manifest.get("plan", {}).get("units", {})
+        planned = units.pop(entry["file"], None)
+        try:
+            self.commit_entries([entry], rewritten)
+        except DiskFullError:
+            if planned is not None:
+                units[entry["file"]] = planned  # not committed: still adoptable on the next open
+            for new in rewritten.values():
+                if new is not None:
+                    (self.dir / new["file"]).unlink(missing_ok=True)
+            raise
 
     def plan_units(self, units: list[list[tuple]], unit_rows: int) -> list[str]:
         """Reserve a shard name ``unit-NNNNN.parquet`` (never used before in this directory) for each
@@ -353,7 +617,7 @@ class ShardStore:
         ``{old file: new entry or None (nothing left)}``; the old files stay until committed."""
         out = {}
         for s in self.manifest["shards"]:
-            t = pq.read_table(self.dir / s["file"])
+            t = read_shard(self.dir, s)
             drop = [(i, k) in keys for i, k in zip(t.column("id").to_pylist(), t.column("sample_index").to_pylist())]
             if any(drop):
                 kept = t.filter(pa.array([not d for d in drop]))
@@ -370,8 +634,14 @@ class ShardStore:
         ``entries`` and swaps each file of ``rewritten`` for its new entry (or drops it); replaced files
         are deleted after the commit. Each entry of ``entries`` names ``self.run``; when this store's
         fingerprint differs from the manifest's (``force``), the manifest's becomes it in the same
-        commit and the change is appended to ``forced``."""
+        commit and the change is appended to ``forced``.
+
+        Raises:
+            DiskFullError: the manifest did not fit; nothing is committed and ``manifest`` is left as on disk.
+        """
         rewritten = rewritten or {}
+        before = {k: self.manifest[k] for k in ("shards", "rows", "next_shard", "fingerprint") if k in self.manifest}
+        forced = len(self.manifest["forced"]) if "forced" in self.manifest else None
         for e in entries:
             if self.run is not None:
                 e.setdefault("run", self.run)
@@ -392,7 +662,15 @@ class ShardStore:
         self.manifest["rows"] = sum(s["rows"] for s in shards)
         used = [int(m.group(1)) for s in shards if (m := _SHARD_NAME.fullmatch(s["file"]))]
         self.manifest["next_shard"] = max([self.manifest.get("next_shard", 0), *(u + 1 for u in used)])
-        self._write_manifest()
+        try:
+            self._write_manifest()
+        except DiskFullError:
+            self.manifest.update(before)
+            if forced is None:
+                self.manifest.pop("forced", None)
+            else:
+                del self.manifest["forced"][forced:]
+            raise
         for old in rewritten:
             (self.dir / old).unlink(missing_ok=True)
 

@@ -9,13 +9,16 @@ import pyarrow.compute as pc
 
 from .inputs import InputError, read_rows
 from .jobspec import JobSpecError, job_from_dict
-from .shards import OutputError, diff_fields, read_committed, read_manifest
+from .shards import OutputError, check_shards, diff_fields, read_committed, read_manifest
 
 _COLUMNS = ["id", "sample_index", "error", "completion_tokens", "total_s", "decode_tps"]
 
 
-def job_status(out_dir: str | Path) -> dict:
+def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
     """Progress of the job whose output is ``out_dir``.
+
+    Every committed shard is checked for presence and size first; ``verify`` checks its Parquet footer and
+    its sha256 too (reading every byte), and adds ``verified``.
 
     Returns:
         A dict: ``rows_done`` (committed output rows), ``rows_failed`` (committed with ``error`` set),
@@ -30,15 +33,20 @@ def job_status(out_dir: str | Path) -> dict:
         ``settings`` (the committed rows grouped by the settings that made them, ``settings_groups``),
         ``settings_mixed`` (more than one group, or rows whose settings were not recorded) and
         ``fingerprint`` (a short summary of the settings; with mixed settings the fields that differ
-        read ``mixed``).
+        read ``mixed``); with ``verify``, ``verified``: ``shards`` (checked), ``hashed`` (matched their
+        sha256) and ``unhashed`` (files whose entry records no sha256, an older manifest's: only their size
+        and footer were checked).
 
     Raises:
-        OutputError: no manifest in ``out_dir``, or an unreadable one.
+        OutputError: no manifest in ``out_dir``, or an unreadable one; committed shards that are missing or
+            damaged (one line each, naming the shard and the way out).
     """
     out_dir = Path(out_dir)
     manifest = read_manifest(out_dir)
     if manifest is None:
         raise OutputError(f"{out_dir}: no manifest.json (not a pipeline output directory, or nothing committed yet)")
+    check = check_shards(out_dir, manifest["shards"], footer=verify, digest=lambda _: verify)
+    check.raise_bad()
     table = read_committed(out_dir, manifest, _COLUMNS)
     runs = manifest.get("runs", [])
     timed = recorded_totals(runs)
@@ -59,6 +67,8 @@ def job_status(out_dir: str | Path) -> dict:
         "pending_error": None,
         "eta_s": None,
     }
+    if verify:
+        status["verified"] = {"shards": len(manifest["shards"]), "hashed": check.hashed, "unhashed": check.unhashed}
     timed_rows = timed["rows"]
     status["throughput_tps"] = timed["tokens_per_s"]
     try:
@@ -233,6 +243,7 @@ def format_status(st: dict) -> str:
     untimed = st.get("runs_unrecorded") or 0
     unrecorded = f" ({untimed} run(s) ended unrecorded, e.g. killed: not counted)" if untimed else ""
     settings = format_settings(st)
+    verified = format_verified(st)
     return "\n".join([
         f"{st['out_dir']}: {state}, {st['shards']} shard(s), {st['runs']} run(s)",
         f"rows: {st['rows_done']} done ({st['rows_failed']} failed), {pending} pending",
@@ -241,4 +252,21 @@ def format_status(st: dict) -> str:
         f"eta: {_duration(st['eta_s']) if st['eta_s'] is not None else ('0s' if st['rows_pending'] == 0 else 'unknown')}",
         *([settings] if settings else []),
         f"fingerprint: {st['fingerprint']}",
+        *([verified] if verified else []),
     ])
+
+
+def format_verified(st: dict) -> str | None:
+    """The ``verified: ...`` line of a ``job_status(verify=True)``, else None."""
+    v = st.get("verified")
+    if v is None:
+        return None
+    unhashed = v["unhashed"]
+    parts = []
+    if v["hashed"] or not unhashed:
+        parts.append(f"{'all ' * (not unhashed)}{v['hashed']} committed shard(s) match their sha256")
+    if unhashed:
+        names = ", ".join(unhashed[:3]) + (f" and {len(unhashed) - 3} more" if len(unhashed) > 3 else "")
+        parts.append(f"{len(unhashed)} ({names}) record no sha256 (an older manifest): only their size and "
+                     "Parquet footer were checked")
+    return "verified: " + "; ".join(parts)

@@ -17,6 +17,7 @@ import pytest
 from mlx_lm_parity import reference_model
 from pipeline import load_model
 from pipeline.batch import BatchEngine, Request
+from pipeline.compiled import cpu_compile_blocker
 from pipeline.engine import Engine, GenerateParams, Generation
 from pipeline.jobspec import CacheSpec
 from pipeline.models import build_model
@@ -404,6 +405,7 @@ def test_empty_stop_string_is_a_request_error(tok_lm):
 # ------------------------------------------------------------------------------ 8. compiled vs eager
 
 
+@pytest.mark.skipif(cpu_compile_blocker() is not None, reason=f"no compiled decode here: {cpu_compile_blocker()}")
 def test_compiled_equals_eager_and_traces_once(llama):
     params = [GenerateParams(max_tokens=4 + (i * 5) % 13) for i in range(6)] + SAMPLED[:3]
     reqs = [Request(i, PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(params)]
@@ -440,7 +442,8 @@ def test_default_model_batched_matches_sequential(default_model):
                     and got[r.tag].finish_reason == ref[r.tag].finish_reason for r in reqs)
     assert identical >= MIN_IDENTICAL, f"{identical}/{len(reqs)} identical"
     assert any(g.finish_reason == "stop" for g in got.values())  # some rows end early and free their slot
-    assert be.trace_count == 1
+    assert be.compiled == (cpu_compile_blocker() is None)  # eager where MLX cannot compile on the CPU
+    assert be.trace_count == int(be.compiled)
     # real weights: a row alone in the batch gets bit-identical logprobs to the row among neighbours
     short = min(reqs, key=lambda r: len(got[r.tag].token_ids))
     x = Request("x", short.prompt_ids, GenerateParams(max_tokens=24, logprobs=1))

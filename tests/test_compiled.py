@@ -9,11 +9,15 @@ from mlx.utils import tree_flatten
 
 from mlx_lm_parity import randomize
 from pipeline import load_model
+from pipeline.compiled import cpu_compile_blocker
 from pipeline.engine import Engine, GenerateParams
 from pipeline.jobspec import CacheSpec
 from pipeline.models import build_model
 from pipeline.models.gemma3_text import Model as Gemma3, ModelArgs as Gemma3Args
 from test_parity_gemma3 import GEMMA3 as _GEMMA3
+
+# without a compiler MLX hands back every step uncompiled and the engine decodes eagerly (test_cpu_fast_path.py checks that)
+pytestmark = pytest.mark.skipif(cpu_compile_blocker() is not None, reason=f"no compiled decode here: {cpu_compile_blocker()}")
 
 GEMMA3 = {**_GEMMA3, "head_dim": 32, "query_pre_attn_scalar": 32}  # quantized caches need groups of >= 32
 

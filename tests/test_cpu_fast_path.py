@@ -1,6 +1,7 @@
 """The CPU fast path: on Linux, MLX's float32 matmuls must run on OpenBLAS (scipy-openblas32), not on the
 reference BLAS the mlx[cpu] wheel bundles (5x slower on the main job). These tests fail on a machine
-where the promised fast path did not load, so a fresh CI machine catches it."""
+where the promised fast path did not load, so a fresh CI machine catches it. Also: on a machine without
+``g++`` (MLX's CPU kernel compiler) the engine decodes eagerly and says so once."""
 
 from __future__ import annotations
 
@@ -127,3 +128,47 @@ def test_inspect_names_the_active_blas(tmp_path, default_model_path):
     assert f"cpu blas:       {_blas.STATE.line()}" in proc.stdout
     assert "expand the quantized weights to float32" in proc.stdout
     assert "WARNING" not in proc.stderr
+
+
+def _no_compiler_env(tmp_path: Path) -> dict:
+    empty = tmp_path / "bin-without-gxx"
+    empty.mkdir(exist_ok=True)
+    return {"PATH": str(empty)}  # the console script's shebang is absolute; nothing else needs PATH
+
+
+@linux
+def test_without_gxx_inspect_and_a_run_decode_eagerly_and_warn_once(tmp_path):
+    """No C++ compiler on PATH (a fresh Debian image): MLX cannot compile CPU kernels, so a job decodes
+    eagerly (its rows say compiled false), one warning names the reason and the fix, and the run ends well."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from tiny_model import write_prompts, write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    proc = _inspect(model, _no_compiler_env(tmp_path), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "cpu compile:    no: MLX compiles its CPU kernels with g++ and there is none on PATH" in proc.stdout
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({
+        "model": str(model), "input": {"path": str(write_prompts(tmp_path / "p.parquet", 3)), "id_column": "id",
+                                       "prompt_column": "prompt"},
+        "generation": {"max_tokens": 3, "ignore_eos": True}, "output": {"dir": str(tmp_path / "out")}}))
+    run = subprocess.run([_pipeline_exe(), "run", str(job), "--no-progress"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, **_no_compiler_env(tmp_path)}, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    warnings = [line for line in run.stderr.splitlines() if "g++" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING: MLX compiles its CPU kernels with g++")
+    assert "decode runs eagerly" in warnings[0] and "apt-get install g++" in warnings[0]
+    rows = [r for f in sorted((tmp_path / "out").glob("part-*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert len(rows) == 3 and all(r["compiled"] is False and r["completion_tokens"] == 3 for r in rows)
+
+
+@linux
+def test_compiled_decode_where_a_compiler_exists():
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ on PATH: MLX cannot compile CPU kernels here (the test above covers it)")
+    from pipeline.compiled import cpu_compile_blocker
+
+    assert cpu_compile_blocker() is None
