@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from tiny_model import write_prompts, write_tiny_model
+from tiny_model import wait_until, write_prompts, write_tiny_model
 
 ROWS = 60
 SHARD = 4
@@ -176,12 +176,6 @@ def plant_crash_leftovers(out: Path) -> None:
     (out / name).write_bytes(data[: len(data) // 2])
 
 
-def wait_until(cond, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before it could be interrupted"
-        assert time.monotonic() < deadline, "timed out waiting to interrupt the run"
-        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("n, batch_size", [(1, 1), (2, 1), (1, 4)], ids=["n1", "n2", "n1-batched"])

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from tiny_model import write_prompts, write_tiny_model
+from tiny_model import wait_until, write_prompts, write_tiny_model
 
 from pipeline import outdir
 from pipeline.shards import DiskFullError, OutputError, ShardStore
@@ -95,12 +95,6 @@ def rows_committed(out: Path) -> int:
         return 0
 
 
-def wait_until(cond, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) too early:\n{proc.communicate()}"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def snapshot(out: Path) -> dict[str, bytes]:

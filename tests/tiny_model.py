@@ -78,3 +78,15 @@ def write_prompts(path: Path, rows: int) -> Path:
     text = [f"Item {i}: " + " ".join(["tell me more"] * (1 + i % 5)) for i in range(rows)]
     pq.write_table(pa.table({"id": [f"row-{i:02d}" for i in range(rows)], "prompt": text}), path)
     return path
+
+
+def wait_until(cond, proc, timeout: float = 120.0, what: str = "the awaited moment") -> None:
+    """Poll ``cond()`` every 5 ms until it is true, failing if the subprocess ``proc`` (a ``Popen``) ends
+    first or ``timeout`` seconds pass; ``what`` names the awaited moment in the failure messages."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}:\n{proc.communicate()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
