@@ -8,7 +8,7 @@ the table shows the medians. The achieved read bandwidth is ``(weight bytes read
 bytes read per decode step) x median decode tok/s``.
 
 With ``batch_sizes`` (``pipeline bench --batch-size``): job throughput instead, i.e. generated tokens /
-wall seconds of many prompts through ``pipeline.batch.BatchEngine`` at each batch size, with mlx-lm's
+wall seconds of many prompts through ``pipeline.engine.batch.BatchEngine`` at each batch size, with mlx-lm's
 ``batch_generate`` as the peer (``run_batch_bench``).
 
 Models: any model spec (``load_model``'s rules: dtype "auto", the "auto" dequantize rule), or random
@@ -39,7 +39,7 @@ from . import _blas
 from .engine import Engine, GenerateParams
 from .loader import compute_dtype, should_dequantize
 from .models import FAMILIES, build_model, dequantize_model, dequantized_nbytes
-from .fused import fused_blocker
+from .engine.fused import fused_blocker
 from .models.base import fuse_projections
 
 SCHEMA = "pipeline.bench/1"
@@ -649,7 +649,7 @@ def _ours_sequential(engine: Engine, prompts: list[list[int]], params: GenerateP
 
 def _ours_batch(be, prompts: list[list[int]], params: GenerateParams) -> dict:
     """Every prompt through ``BatchEngine.run``; the wall time includes each request's prefill."""
-    from .batch import Request
+    from .engine.batch import Request
 
     counts: dict[int, int] = {}
     t0 = time.perf_counter()
@@ -701,7 +701,7 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
                     progress: Callable[[str], None] | None = None) -> dict:
     """Job throughput (generated tokens / wall seconds, prefill included) of ``prompts`` distinct random
     prompts, greedy, ``ignore_eos``, ``max_tokens`` new tokens each, per batch size B: ours through
-    ``pipeline.batch.BatchEngine`` (and at B=1 also the sequential ``Engine.generate`` loop), mlx-lm's
+    ``pipeline.engine.batch.BatchEngine`` (and at B=1 also the sequential ``Engine.generate`` loop), mlx-lm's
     ``batch_generate`` (completion batch B, prefill batch min(B, 8)) on the same weights as the peer.
 
     ``variants``: the engine's ``compile`` setting, ``auto`` (what a job uses), ``eager``, ``compiled``.
@@ -713,7 +713,7 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
     Raises:
         BenchError: bad settings, or a run that did not generate ``max_tokens`` per prompt.
     """
-    from .batch import BatchEngine
+    from .engine.batch import BatchEngine
 
     progress = progress or (lambda _s: None)
     batch_sizes = list(batch_sizes)

@@ -19,7 +19,7 @@ import sys
 
 import click
 
-from .cache import CacheConfigError
+from .engine.cache import CacheConfigError
 from .chat_template import ChatTemplateError
 from .distributed import DistributedError
 from .gguf import GGUFError

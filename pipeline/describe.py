@@ -12,7 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import _blas
-from .compiled import cpu_compile_blocker
+from .engine.compiled import cpu_compile_blocker
 from .loader import compute_dtype, load_model, should_dequantize
 from .modeldir import weight_files
 

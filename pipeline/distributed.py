@@ -338,7 +338,7 @@ def _load(job: JobSpec, model_path: str):
 def _capacity(job: dict, model_path: str, planned: bytes) -> int:
     """In a Ray task: batched mode's slot capacity from every sample of the job, with the KV memory
     checked on the device that runs it (``runner.batch_capacity``, ``batch.check_kv_memory``)."""
-    from .batch import BatchEngine, check_kv_memory
+    from .engine.batch import BatchEngine, check_kv_memory
     from .jobspec import job_from_dict
     from .runner import batch_capacity
 

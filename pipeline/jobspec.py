@@ -312,15 +312,15 @@ class EngineSpec:
         compile: run decode steps through the compiled closure set: true, false (eager), or "auto"
             (compiled, except on the CUDA backend with only full caches, where eager decode measured
             faster; ``pipeline.engine.compile_by_default``).
-        fused: decode through the fused CUDA step (``pipeline.fused``: five custom kernels per layer)
+        fused: decode through the fused CUDA step (``pipeline.engine.fused``: five custom kernels per layer)
             where it applies (MLX's CUDA backend, Llama/Qwen2 families, full KV caches, sequential
             decoding): "auto" or true; false keeps the unfused step. Same model to rounding; "auto" is
             left out of the job fingerprint, so jobs written before the option existed resume.
-        batch_size: rows decoded together (continuous batching, ``pipeline.batch``); 1 decodes one row
+        batch_size: rows decoded together (continuous batching, ``pipeline.engine.batch``); 1 decodes one row
             at a time (the default: every row's tokens are exactly those of the model run alone).
         max_kv_memory_gb: refuse to start a batched job whose KV buffers (batch_size x capacity
             positions) would exceed this many gigabytes (10**9 bytes); None: the device's memory
-            (``pipeline.batch.memory_limit``) is the only limit. Not part of the job fingerprint.
+            (``pipeline.engine.batch.memory_limit``) is the only limit. Not part of the job fingerprint.
     """
 
     dtype: str = "auto"
@@ -354,7 +354,7 @@ class EngineSpec:
 @dataclass
 class CacheSpec:
     """KV cache layout (mlx-lm's ``--max-kv-size``, ``--kv-bits``, ``--kv-group-size`` and
-    ``--quantized-kv-start``); see ``pipeline.cache.make_caches``.
+    ``--quantized-kv-start``); see ``pipeline.engine.cache.make_caches``.
 
     Attributes:
         max_kv_size: keep at most this many positions per layer (full-attention layers become sliding

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import _blas
-from .compiled import warn_if_no_cpu_compile
+from .engine.compiled import warn_if_no_cpu_compile
 from .engine import Engine, GenerateParams
 from .gguf import read_gguf
 from .modeldir import model_files, read_model_dir, weight_files
@@ -178,7 +178,7 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
         compile: decode through the compiled closure set: true, false (eager) or "auto"
             (``pipeline.engine.compile_by_default``).
         path: the already-resolved local file for ``spec``, if known.
-        fused: decode through the fused CUDA step where it applies (``pipeline.fused``): "auto"/true,
+        fused: decode through the fused CUDA step where it applies (``pipeline.engine.fused``): "auto"/true,
             or false.
         fuse: run projections that read the same input as one (``models.base.fuse_projections``;
             same values, fewer kernels: on an H200 eager decode ran 4-7% faster, on the CPU no

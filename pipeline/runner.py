@@ -17,7 +17,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from . import __version__, _blas, outdir
-from .batch import BatchEngine, Request, check_kv_memory
+from .engine.batch import BatchEngine, Request, check_kv_memory
 from .describe import parameter_count
 from .engine import GenerateParams
 from .inputs import InputRow, input_files, read_rows
@@ -26,7 +26,7 @@ from .loader import LoadedModel, load_model, model_identity
 from .prompts import Prompt, RowError, build_prompt
 from .resolve import resolve_model
 from .results import Result, result_schema, results_table
-from .sampler import row_seed
+from .engine.sampler import row_seed
 from . import shards
 from .shards import DiskFullError, OutputError, ShardStore, read_manifest
 from .tokenizer import TokenizerError

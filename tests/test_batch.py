@@ -1,4 +1,4 @@
-"""Continuous batching (``pipeline.batch.BatchEngine``) against sequential ``Engine.generate``: greedy
+"""Continuous batching (``pipeline.engine.batch.BatchEngine``) against sequential ``Engine.generate``: greedy
 paths through every cache kind (full, rotating with prompts longer than the window, quantized 8/4-bit,
 rotating + quantized, Gemma 3's sliding/global mix), rows of very different lengths through reused
 slots, stop strings / stop ids / min_tokens / logprobs per row, seeded sampling independent of the
@@ -16,8 +16,8 @@ import pytest
 
 from mlx_lm_parity import reference_model
 from pipeline import load_model
-from pipeline.batch import BatchEngine, Request
-from pipeline.compiled import cpu_compile_blocker
+from pipeline.engine.batch import BatchEngine, Request
+from pipeline.engine.compiled import cpu_compile_blocker
 from pipeline.engine import Engine, GenerateParams, Generation
 from pipeline.jobspec import CacheSpec
 from pipeline.models import build_model

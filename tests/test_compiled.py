@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 
 from mlx_lm_parity import randomize
 from pipeline import load_model
-from pipeline.compiled import cpu_compile_blocker
+from pipeline.engine.compiled import cpu_compile_blocker
 from pipeline.engine import Engine, GenerateParams
 from pipeline.jobspec import CacheSpec
 from pipeline.models import build_model

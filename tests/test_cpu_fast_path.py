@@ -169,6 +169,6 @@ def test_without_gxx_inspect_and_a_run_decode_eagerly_and_warn_once(tmp_path):
 def test_compiled_decode_where_a_compiler_exists():
     if shutil.which("g++") is None:
         pytest.skip("no g++ on PATH: MLX cannot compile CPU kernels here (the test above covers it)")
-    from pipeline.compiled import cpu_compile_blocker
+    from pipeline.engine.compiled import cpu_compile_blocker
 
     assert cpu_compile_blocker() is None

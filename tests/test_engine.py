@@ -14,7 +14,7 @@ from pipeline.engine import Engine, GenerateParams, Generation
 from pipeline.models import build_model, dequantize_model
 from pipeline.models.base import ConfigError
 from pipeline.models.llama import Model, ModelArgs
-from pipeline.sampler import row_seed
+from pipeline.engine.sampler import row_seed
 
 CONFIG = {
     "model_type": "llama",

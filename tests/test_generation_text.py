@@ -3,7 +3,7 @@
 import pytest
 
 from pipeline.engine import GenerateParams
-from pipeline.stops import IncrementalDetokenizer
+from pipeline.engine.stops import IncrementalDetokenizer
 
 N = 24
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mlx_lm_parity import reference_model
-from pipeline.cache import (
+from pipeline.engine.cache import (
     CacheConfigError,
     KVCache,
     QuantizedKVCache,
@@ -400,7 +400,7 @@ def test_make_caches_rejects_group_size_not_dividing_head_dim(llama, gemma3):
 def test_head_dim_fallback_and_qwen2_property():
     from types import SimpleNamespace
 
-    from pipeline.cache import _head_dim
+    from pipeline.engine.cache import _head_dim
     from pipeline.models.qwen2 import ModelArgs as Qwen2Args
 
     qwen2 = Qwen2Args(model_type="qwen2", hidden_size=256, num_hidden_layers=1, intermediate_size=8,

@@ -5,7 +5,7 @@ import pytest
 
 import mlx_lm_parity
 from mlx_lm_parity import compare_with_mlx_lm
-from pipeline.cache import KVCache, RotatingKVCache
+from pipeline.engine.cache import KVCache, RotatingKVCache
 from pipeline.models import build_model
 from pipeline.models.base import ConfigError
 from pipeline.models.gemma3_text import Model, ModelArgs

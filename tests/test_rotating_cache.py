@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_lm_parity import reference_model
-from pipeline.cache import RotatingKVCache
+from pipeline.engine.cache import RotatingKVCache
 from pipeline.engine import Engine, GenerateParams
 from pipeline.models import build_model
 

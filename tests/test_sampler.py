@@ -14,7 +14,7 @@ import pytest
 from mlx_lm import sample_utils
 
 from pipeline.engine import GenerateParams
-from pipeline.sampler import SamplerKind, filter_ranked, sample_step, sampler_consts, sampler_state
+from pipeline.engine.sampler import SamplerKind, filter_ranked, sample_step, sampler_consts, sampler_state
 
 V = 64
 

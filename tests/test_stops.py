@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (pipeline.stops) with the real default-model tokenizer,
+"""Incremental detokenization and stop strings (pipeline.engine.stops) with the real default-model tokenizer,
 checked against Hugging Face ``tokenizers``' own ``decode``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tokenizers.decoders import DecodeStream
 
 from pipeline.gguf import read_gguf
 from pipeline.resolve import resolve_model
-from pipeline.stops import IncrementalDetokenizer, StopChecker, final_text
+from pipeline.engine.stops import IncrementalDetokenizer, StopChecker, final_text
 from pipeline.tokenizer import _BYTE_OF_CHAR, Tokenizer, incomplete_utf8
 
 IM_START, IM_END = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>

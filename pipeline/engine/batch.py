@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .compiled import LayerKind, layer_capacity, layer_kind
-from .engine import Engine, GenerateParams, Generation
-from .jobspec import JobSpecError
+from .sequential import Engine, GenerateParams, Generation
+from ..jobspec import JobSpecError
 from .sampler import SamplerKind, sample_step, sampler_consts, sampler_state
 from .stops import StopChecker
 

@@ -815,14 +815,14 @@ def decoder_for(model) -> FusedDecoder:
     Raises:
         ValueError: the model is not supported (``model_blocker`` gives the reason).
     """
-    from .models import gemma3_text
+    from ..models import gemma3_text
 
     return (Gemma3Decoder if type(model) is gemma3_text.Model else FusedDecoder)(model)
 
 
 def model_blocker(model) -> str | None:
     """Why the fused step cannot run ``model``, or None."""
-    from .models import gemma3_text, llama, qwen2
+    from ..models import gemma3_text, llama, qwen2
 
     gemma = type(model) is gemma3_text.Model
     if type(model) not in (llama.Model, qwen2.Model) and not gemma:

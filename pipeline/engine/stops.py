@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from .tokenizer import Tokenizer
+from ..tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache, RotatingKVCache
+from ..engine.cache import KVCache, RotatingKVCache
 from .base import BaseModelArgs, ConfigError, output_logits
 from .rope import make_rope
 

@@ -12,7 +12,7 @@ from typing import ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache
+from ..engine.cache import KVCache
 from .base import BaseModelArgs, SwiGLU, drop_unused, fuse_qkv, output_logits, project_qkv
 from .rope import make_rope
 
