@@ -7,8 +7,10 @@ model spec naming no alias, file, directory or repo id, the input files and colu
 other files or another job's results, in use by another run or not writable; fixing the job file or data is the
 remedy and ``validate`` finds the same problems. Every other failure exits 1: downloading or hashing the model, a
 model that cannot be loaded (corrupt file, unknown architecture), job settings only the loaded model can refute
-(``cache.kv_group_size`` not dividing its head_dim, ``input.apply_chat_template`` without a chat template), and
-no space left in the output dir (``DiskFullError``: ``run`` prints its summary line first). Failed rows are not errors:
+(``cache.kv_group_size`` not dividing its head_dim, ``input.apply_chat_template`` without a chat template),
+no space left in the output dir (``DiskFullError``), and a row whose generation raised what is not a row's own
+problem (``GenerationError``: an error from MLX, a bug in a model; one line naming the row and the exception);
+for these two ``run`` prints its summary line first, and the rows committed stay. Failed rows are not errors:
 ``run`` exits 3 (``--failed-exit-code``) when the output holds rows whose ``error`` is set.
 """
 
@@ -21,7 +23,7 @@ import click
 
 from .engine.cache import CacheConfigError
 from .chat_template import ChatTemplateError
-from .distributed import DistributedError
+from .run.cluster import DistributedError
 from .gguf import GGUFError
 from .inputs import InputError, read_rows
 from .modeldir import ModelDirError
@@ -114,7 +116,7 @@ def run(job_file, output_dir, limit, force, no_progress, retry_failed, redo_corr
     """
     import dataclasses
 
-    from .runner import run_job
+    from .run import GenerationError, run_job
 
     try:
         job = load_job(job_file)
@@ -123,7 +125,7 @@ def run(job_file, output_dir, limit, force, no_progress, retry_failed, redo_corr
         _check_model_spec(job.model)
         summary = run_job(job, output_dir=output_dir, limit=limit, force=force, retry_failed=retry_failed,
                           redo_corrupt=redo_corrupt, progress=not no_progress, echo=click.echo)
-    except DiskFullError as e:  # exit 1, after the summary line of the run it stopped
+    except (DiskFullError, GenerationError) as e:  # exit 1, after the summary line of the run it stopped
         if e.summary is not None:
             click.echo(e.summary.line())
         _fail(e)
@@ -156,7 +158,7 @@ def validate_job(job_file: str) -> tuple[list[Exception], str]:
         ModelResolveError, ...: resolving the model for the output-dir comparison failed (not a job problem).
         DiskFullError: the output dir has no space for a test file.
     """
-    from .runner import check_output_dir, plan_samples
+    from .run.plan import check_output_dir, plan_samples
 
     try:
         job = load_job(job_file)
@@ -180,7 +182,7 @@ def validate_job(job_file: str) -> tuple[list[Exception], str]:
         if model_ok:
             raise  # a well-formed spec that cannot be fetched; a bad one is reported above
     if job.executor == "ray":
-        from .distributed import import_ray
+        from .run.cluster import import_ray
 
         try:
             import_ray()

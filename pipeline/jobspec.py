@@ -18,19 +18,9 @@ import jinja2
 import yaml
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .engine.params import GenerateParams
+from .errors import JobSpecError
 from .resolve import DEFAULT_MODEL
-
-
-class JobSpecError(ValueError):
-    """The job file is invalid.
-
-    Attributes:
-        problems: one line per problem, each naming its key path (``str(error)`` joins them with newlines).
-    """
-
-    def __init__(self, problems: str | list[str]):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        super().__init__("\n".join(self.problems))
 
 
 class _Problems(list):
@@ -173,53 +163,31 @@ class InputSpec:
         bad.raise_any()
 
 
-@dataclass
-class GenerationSpec:
-    """Sampling and stop settings; names, meanings and ranges as vLLM's ``SamplingParams`` (see
-    ``pipeline.engine.GenerateParams`` for each field's exact effect).
+@dataclass(frozen=True)
+class GenerationSpec(GenerateParams):
+    """The job's ``generation`` settings: every field of ``pipeline.engine.GenerateParams`` (sampling and
+    stop settings with vLLM ``SamplingParams``'s names, meanings and ranges; each field's exact effect is
+    documented there), plus what a job adds. ``seed`` is the job seed: each (seed, row id, sample index)
+    gets its own derived seed (``engine.sampler.row_seed``).
 
     Attributes:
-        max_tokens: most tokens generated per sample (>= 1).
-        min_tokens: tokens generated before EOS, stop tokens or stop strings may end a sample.
         n: samples per input row (output rows with ``sample_index`` 0..n-1).
-        temperature: 0 is greedy; > 0 samples.
-        top_p: nucleus sampling mass in (0, 1]; 1 is off.
-        top_k: keep the k most likely tokens; 0 or -1 is off.
-        min_p: in [0, 1]; 0 is off.
-        repetition_penalty: > 0; 1 is off.
-        presence_penalty: in [-2, 2]; 0 is off.
-        frequency_penalty: in [-2, 2]; 0 is off.
-        seed: job seed; each (seed, row id, sample index) gets its own derived seed.
-        stop: strings that end a sample (a single string is accepted).
-        stop_token_ids: token ids that end a sample besides the model's EOS ids.
-        include_stop_str_in_output: keep the matched stop string in the completion.
-        ignore_eos: keep generating past EOS (benchmarks).
-        skip_special_tokens: drop special tokens from the completion text.
-        logprobs: None (off) or k in [0, 20]: each generated token's logprob plus the k most likely
-            alternatives, as list columns.
+
+    In a job file ``stop`` may be one string; ``stop`` and ``stop_token_ids`` are lists there (tuples
+    here). Ranges: ``check``.
     """
 
-    max_tokens: int = 128
-    min_tokens: int = 0
     n: int = 1
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int = 0
-    stop: list[str] | str = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    logprobs: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):  # a list or a single string from Python code as from YAML
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+
+    def to_dict(self) -> dict:
+        """The settings as JSON values (tuples as lists), as the fingerprint and the manifest record them."""
+        return _plain(dataclasses.asdict(self))
 
     def check(self, where: str = "generation."):
         """Range checks; ``where`` prefixes the key in messages (an input column for row overrides).
@@ -311,8 +279,8 @@ class EngineSpec:
         prefill_step_size: prompt tokens per prefill chunk.
         compile: run decode steps through the compiled closure set: true, false (eager), or "auto"
             (compiled, except on the CUDA backend with only full caches, where eager decode measured
-            faster; ``pipeline.engine.compile_by_default``).
-        fused: decode through the fused CUDA step (``pipeline.engine.fused``: five custom kernels per layer)
+            faster; ``pipeline.engine.step.compile_by_default``).
+        fused: decode through the fused CUDA step (``pipeline.engine.cuda``: five custom kernels per layer)
             where it applies (MLX's CUDA backend, Llama/Qwen2 families, full KV caches, sequential
             decoding): "auto" or true; false keeps the unfused step. Same model to rounding; "auto" is
             left out of the job fingerprint, so jobs written before the option existed resume.
@@ -413,7 +381,7 @@ class OutputSpec:
 
 @dataclass
 class RaySpec:
-    """Where and how ``executor: ray`` runs (``pipeline.distributed``); not part of the job fingerprint.
+    """Where and how ``executor: ray`` runs (``pipeline.run.ray``); not part of the job fingerprint.
 
     Attributes:
         address: the Ray cluster, as ``ray.init(address=...)`` takes it: None finds one (``RAY_ADDRESS``,
@@ -461,7 +429,7 @@ class JobSpec:
 
     Attributes:
         executor: "local" runs the job in this process; "ray" on a Ray cluster with Ray Data (``ray``
-            section; ``pipeline.distributed``). Same rows either way; not part of the fingerprint.
+            section; ``pipeline.run.ray``). Same rows either way; not part of the fingerprint.
     """
 
     input: InputSpec
@@ -479,7 +447,17 @@ class JobSpec:
             raise JobSpecError(f"executor must be local or ray, got {self.executor!r}")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The job as JSON values (tuples as lists)."""
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value):
+    """``value`` with every tuple a list (as JSON reads it back), recursively."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _check_value(value, tp, where: str):
@@ -511,6 +489,11 @@ def _check_value(value, tp, where: str):
         return _check_value(value, options[-1], where)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
+    if origin is tuple:  # tuple[X, ...]: a list in the job file; a single string for tuple[str, ...]
+        item = typing.get_args(tp)[0]
+        if item is str and isinstance(value, str):
+            value = [value]
+        return tuple(_check_value(value, list[item], where))
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise JobSpecError(f"{where} must be a list, got {type(value).__name__} {value!r}")

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _blas
 from .engine.compiled import warn_if_no_cpu_compile
-from .engine import Engine, GenerateParams
+from .engine import Engine, GenerateParams, Request
 from .gguf import read_gguf
 from .modeldir import model_files, read_model_dir, weight_files
 from .models import FAMILIES, build_model, dequantize_model, dequantized_nbytes
@@ -88,6 +88,24 @@ def should_dequantize(model, dtype: mx.Dtype, batch_size: int = 1) -> bool:
     return batch_size > 1 and dequantized_nbytes(model, dtype) <= memory // 4
 
 
+def prepare_model(model, dtype: mx.Dtype, dequantize: str | bool = "auto", batch_size: int = 1,
+                  fuse: bool = True) -> bool:
+    """What ``load_model`` does to a freshly built model, in place: expand its quantized weights to
+    ``dtype`` if ``dequantize`` says so ("auto": ``should_dequantize`` for ``batch_size``), then, with
+    ``fuse``, run the projections that read the same input as one (``models.base.fuse_projections``).
+
+    Returns:
+        Whether the weights were dequantized.
+    """
+    if dequantize == "auto":
+        dequantize = should_dequantize(model, dtype, batch_size)
+    if dequantize:
+        dequantize_model(model, dtype)
+    if fuse:
+        fuse_projections(model)
+    return bool(dequantize)
+
+
 class LoadedModel:
     """One loaded model with its tokenizer and generation engine.
 
@@ -100,7 +118,7 @@ class LoadedModel:
     """
 
     def __init__(self, spec: str, path: Path, config: dict, model, tokenizer: Tokenizer, prefill_step_size: int = 512,
-                 cache_spec=None, compile: bool | str = "auto", fused: bool | str = "auto"):
+                 cache_spec=None, compile: bool | str = "auto", fused: bool | str = "auto", batch_size: int = 1):
         self.spec, self.path, self.config, self.model, self.tokenizer = spec, path, config, model, tokenizer
         self.engine = Engine(
             model,
@@ -111,20 +129,28 @@ class LoadedModel:
             compile=compile,
             tokenizer=tokenizer,
             fused=fused,
+            batch_size=batch_size,
         )
 
-    def warm_up(self) -> float:
-        """Generate 3 tokens from an 8-token prompt and return the wall seconds it took: the first use
-        of a model compiles its kernels (MLX's CUDA backend: NVRTC, tens of seconds on an H200) and traces
-        the decode step, which should not land in the first row's statistics. The caches are reset
-        before the next generation, so nothing of it reaches later rows; it logs no warnings and leaves
-        the once-per-engine ones (a prompt longer than ``cache.max_kv_size``, eager decoding) to the
-        first row that meets them (``Engine.quiet``). A batched engine's step is traced on its own
-        first step, not here."""
+    def warm_up(self, batch=None) -> float:
+        """Generate 3 tokens from an 8-token prompt on the path the job decodes on and return the wall
+        seconds it took: the first use of a model compiles its kernels (MLX's CUDA backend: NVRTC, tens of
+        seconds on an H200) and traces the decode step, which should not land in the first row's
+        statistics. With ``batch`` (the job's ``BatchEngine``) the prompt runs through it, so its batched
+        step is traced and its buffers allocated; else through ``engine.generate`` (the fused, compiled
+        or eager step of ``engine.path``). The caches (and a batch's slot) are overwritten by the next
+        generation, so nothing of it reaches later rows; it logs no warnings and leaves the
+        once-per-engine ones (a prompt longer than ``cache.max_kv_size``, eager decoding) to the first
+        row that meets them (``Engine.quiet``)."""
         t = time.perf_counter()
         prompt = [self.tokenizer.bos_token_id or 0] + [min(i, self.model.args.vocab_size - 1) for i in range(1, 8)]
+        params = GenerateParams(max_tokens=3, ignore_eos=True)
         with self.engine.quiet():
-            self.engine.generate(prompt, GenerateParams(max_tokens=3, ignore_eos=True))
+            if batch is None:
+                self.engine.generate(prompt, params)
+            else:
+                for _ in batch.run([Request("warm-up", prompt, params)]):
+                    pass
         return time.perf_counter() - t
 
     def logprobs(self, token_ids: list[int]) -> np.ndarray:
@@ -171,14 +197,15 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
         spec: the model spec.
         dtype: "auto", "float32", "float16" or "bfloat16" (see ``compute_dtype``).
         dequantize: expand quantized weights to ``dtype`` (see ``should_dequantize`` for "auto").
-        batch_size: the engine's ``batch_size`` (the "auto" dequantize rule depends on it on a GPU).
+        batch_size: the engine's ``batch_size`` (the "auto" dequantize rule depends on it on a GPU; > 1 is the
+            batched path, ``engine.step.choose_path``).
         prefill_step_size: prompt tokens per prefill chunk.
         cache_spec: a ``pipeline.jobspec.CacheSpec`` (rotating / quantized KV caches), or None for the
             model's own cache layout.
         compile: decode through the compiled closure set: true, false (eager) or "auto"
-            (``pipeline.engine.compile_by_default``).
+            (``pipeline.engine.step.compile_by_default``).
         path: the already-resolved local file for ``spec``, if known.
-        fused: decode through the fused CUDA step where it applies (``pipeline.engine.fused``): "auto"/true,
+        fused: decode through the fused CUDA step where it applies (``pipeline.engine.cuda``): "auto"/true,
             or false.
         fuse: run projections that read the same input as one (``models.base.fuse_projections``;
             same values, fewer kernels: on an H200 eager decode ran 4-7% faster, on the CPU no
@@ -195,11 +222,8 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
     g = read_model_dir(path) if path.is_dir() else read_gguf(path)
     dt = compute_dtype(dtype)
     model = _build(path, g.config, g.weights, dt)
-    if dequantize == "auto":
-        dequantize = should_dequantize(model, dt, batch_size)
-    if dequantize:
-        dequantize_model(model, dt)
     if fuse:
-        g.weights = None  # the fused copies below replace these arrays; let them go
-        fuse_projections(model)
-    return LoadedModel(spec, path, g.config, model, g.tokenizer, prefill_step_size, cache_spec, compile, fused)
+        g.weights = None  # the fused copies prepare_model makes replace these arrays; let them go
+    prepare_model(model, dt, dequantize, batch_size, fuse)
+    return LoadedModel(spec, path, g.config, model, g.tokenizer, prefill_step_size, cache_spec, compile, fused,
+                       batch_size)

@@ -6,13 +6,10 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .errors import RowError
 from .inputs import InputRow
 from .jobspec import InputSpec
 from .tokenizer import Tokenizer
-
-
-class RowError(ValueError):
-    """This row cannot be generated (recorded in its ``error`` column; the job goes on)."""
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -94,6 +95,17 @@ def result_schema(id_type: pa.DataType) -> pa.Schema:
     return pa.schema(
         [pa.field(f.name, types[f.name], nullable=f.name not in _NOT_NULL) for f in dataclasses.fields(Result)]
     )
+
+
+def schema_digest(schema: pa.Schema | None = None) -> str:
+    """sha256 (hex) of ``schema`` (default: the output schema, ``result_schema``) as Arrow prints it: one
+    ``name: type`` line per column in order, `` not null`` where set, the ``id`` column's type left out (it
+    follows the input's id column, which the job fingerprint leaves to the input). Any change of a column's
+    name, order, type or nullability changes it (``run.plan.fingerprint`` records it)."""
+    schema = result_schema(pa.string()) if schema is None else schema
+    lines = [f"{f.name}: {'(input)' if f.name == 'id' else f.type}{'' if f.nullable else ' not null'}"
+             for f in schema]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def results_table(results: list[Result], schema: pa.Schema) -> pa.Table:

@@ -71,9 +71,9 @@ class DiskFullError(RuntimeError):
         out_dir: the output directory.
         file: the file being written (``part-00003.parquet``, ``manifest.json``, ...).
         reason: ``no space left on device`` or ``disk quota exceeded``.
-        committed: rows committed in ``out_dir`` when the run stopped (``runner.run_job`` sets it), else None.
+        committed: rows committed in ``out_dir`` when the run stopped (``run.control.run_job`` sets it), else None.
         note: a further line, e.g. that the run record could not be saved either; else None.
-        summary: the ``runner.RunSummary`` of the run it stopped (``runner.run_job``), else None.
+        summary: the ``run.control.RunSummary`` of the run it stopped (``run_job``), else None.
     """
 
     def __init__(self, out_dir: str | Path, file: str, reason: str, committed: int | None = None,
@@ -337,7 +337,8 @@ def read_shard(out_dir: str | Path, entry: dict, columns: list[str] | None = Non
     """
     path = Path(out_dir) / entry["file"]
     try:
-        return pq.read_table(path, columns=columns)
+        with pq.ParquetFile(path) as f:  # ~4x less overhead per file than pq.read_table (measured: 0.75 vs 2.8 ms)
+            return f.read(columns=columns)
     except (OSError, pa.ArrowException) as e:
         problem = MISSING if not path.is_file() else f"is not readable as Parquet ({_first_line(e)})"
         raise OutputError(shard_error(out_dir, entry, problem)) from None
@@ -365,6 +366,12 @@ def read_shard_verified(out_dir: str | Path, entry: dict) -> pa.Table:
         except (OSError, pa.ArrowException) as e:
             problem = f"is not readable as Parquet ({_first_line(e)})"
     raise OutputError(shard_error(out_dir, entry, problem))
+
+
+def _key_lists(table: pa.Table) -> tuple[list[tuple], list[tuple]]:
+    """``(keys, failed keys)``: the ``(id, sample_index)`` of a shard's rows, and of those whose ``error`` is set."""
+    keys = _table_keys(table)
+    return keys, [k for k, e in zip(keys, table.column("error").to_pylist()) if e is not None]
 
 
 def read_committed(out_dir: str | Path, manifest: dict, columns: list[str] | None = None) -> pa.Table | None:
@@ -443,6 +450,7 @@ class ShardStore:
 
     def __init__(self, out_dir: str | Path, fingerprint: dict, *, force: bool = False, redo_corrupt: bool = False):
         self.dir = Path(out_dir)
+        self._keys: dict[str, tuple[list[tuple], list[tuple]]] = {}  # shard file -> _key_lists
         manifest = check_output_dir(self.dir, fingerprint, force=force)
         self.dir.mkdir(parents=True, exist_ok=True)
         if manifest is None:
@@ -454,18 +462,43 @@ class ShardStore:
         self.fingerprint = fingerprint
         runs = manifest.get("runs", [])
         self.run = len(runs) or None
+        self._record: dict | None = None  # the run record add_run started
         planner = runs[-1].get("fingerprint", manifest["fingerprint"]) if runs else manifest["fingerprint"]
         self.report = self._clean()
         self._check_committed(redo_corrupt)
         self._adopt_units(self.report, allowed=not diff_fields(planner, fingerprint))
 
-    def add_run(self, record: dict) -> int:
-        """Append a run record (with this store's fingerprint) to the manifest's ``runs``; the shards
-        committed from now on name it. Saved with the next manifest write. Returns its number."""
+    def add_run(self, record: dict, *, inputs: list[dict] | None = None, info: dict | None = None) -> int:
+        """Start a run: append its record (with this store's fingerprint) to the manifest's ``runs``; the
+        shards committed from now on name it. An earlier Ray run's ``plan`` is dropped (its units were
+        adopted or removed when the store was opened; a Ray run plans anew, ``plan_units``); ``inputs`` (the
+        input files' state) and ``info`` (Python version, job) replace the manifest's when given. Saved with
+        the next manifest write. Returns its number."""
+        if inputs is not None:
+            self.manifest["inputs"] = inputs
+        if info is not None:
+            self.manifest["info"] = info
+        self.manifest.pop("plan", None)
         record["fingerprint"] = self.fingerprint
         self.manifest.setdefault("runs", []).append(record)
         self.run = len(self.manifest["runs"])
+        self._record = record
         return self.run
+
+    def update_run(self, **fields) -> None:
+        """Set ``fields`` in the record of the run ``add_run`` started; saved with the next manifest write."""
+        self._record.update(fields)
+
+    def finish_run(self, complete: bool, **fields) -> None:
+        """End the run ``add_run`` started: ``fields`` into its record (``finished``, its counts, ...) and
+        ``complete`` (every row of its selection committed) into the manifest, then write the manifest.
+
+        Raises:
+            DiskFullError: the manifest did not fit (the committed shards are as before).
+        """
+        self._record.update(fields)
+        self.manifest["complete"] = complete
+        self._write_manifest()
 
     def _clean(self) -> OpenReport:
         report = OpenReport()
@@ -547,6 +580,7 @@ class ShardStore:
 
     @property
     def shard_files(self) -> list[Path]:
+        """The committed shard files, in manifest order."""
         return [self.dir / s["file"] for s in self.manifest["shards"]]
 
     def committed_table(self, columns: list[str] | None = None) -> pa.Table | None:
@@ -555,16 +589,19 @@ class ShardStore:
 
     def committed_keys(self) -> set[tuple]:
         """``(id, sample_index)`` of every committed row."""
-        t = self.committed_table(["id", "sample_index"])
-        return set() if t is None else set(zip(t.column("id").to_pylist(), t.column("sample_index").to_pylist()))
+        return {key for e in self.manifest["shards"] for key in self._shard_keys(e)[0]}
 
     def failed_keys(self) -> set[tuple]:
         """``(id, sample_index)`` of committed rows whose ``error`` is set."""
-        t = self.committed_table(["id", "sample_index", "error"])
-        if t is None:
-            return set()
-        return {(i, k) for i, k, e in zip(*(t.column(c).to_pylist() for c in ("id", "sample_index", "error")))
-                if e is not None}
+        return {key for e in self.manifest["shards"] for key in self._shard_keys(e)[1]}
+
+    def _shard_keys(self, entry: dict) -> tuple[list[tuple], list[tuple]]:
+        """``(keys, failed keys)`` of one committed shard: read once per shard file and kept (a file's rows
+        never change; a rewritten shard is a new file), so a resume of 100,000 rows reads each key once."""
+        got = self._keys.get(entry["file"])
+        if got is None:
+            got = self._keys[entry["file"]] = _key_lists(read_shard(self.dir, entry, ["id", "sample_index", "error"]))
+        return got
 
     def next_name(self) -> str:
         """A shard file name never used in this directory's manifest (reserved when committed)."""
@@ -581,6 +618,7 @@ class ShardStore:
         except DiskFullError:
             (self.dir / entry["file"]).unlink(missing_ok=True)  # not committed: give its space back
             raise
+        self._keys[entry["file"]] = _key_lists(table)
         return entry["file"]
 
     def commit_written(self, entry: dict, replaces: set[tuple] = frozenset()) -> None:
@@ -674,15 +712,12 @@ class ShardStore:
         for old in rewritten:
             (self.dir / old).unlink(missing_ok=True)
 
-    def mark_complete(self, complete: bool) -> None:
-        if self.manifest.get("complete") != complete:
-            self.manifest["complete"] = complete
-            self._write_manifest()
-
     def save(self) -> None:
         """Rewrite the manifest (after changing informational fields such as ``info`` or ``runs``)."""
         self._write_manifest()
 
     def _write_manifest(self) -> None:
-        data = json.dumps(self.manifest, indent=1, sort_keys=True).encode()
+        # compact: json's C encoder (indent would use the pure-Python one, ~10x slower; the manifest of a
+        # 100,000-row run is ~1 MB and rewritten at every commit)
+        data = json.dumps(self.manifest, separators=(",", ":"), sort_keys=True).encode()
         atomic_write(self.dir / MANIFEST, lambda f: f.write(data))

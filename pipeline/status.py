@@ -9,6 +9,7 @@ import pyarrow.compute as pc
 
 from .inputs import InputError, read_rows
 from .jobspec import JobSpecError, job_from_dict
+from .run.plan import plan_samples
 from .shards import OutputError, check_shards, diff_fields, read_committed, read_manifest
 
 _COLUMNS = ["id", "sample_index", "error", "completion_tokens", "total_s", "decode_tps"]
@@ -77,7 +78,6 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
     except (KeyError, JobSpecError, InputError) as e:
         status["pending_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         return status
-    from .runner import plan_samples
 
     committed = set() if table is None else set(zip(table["id"].to_pylist(), table["sample_index"].to_pylist()))
     status["rows_pending"] = sum((r.id, k) not in committed for r, k, _ in plan_samples(job, rows))
@@ -217,7 +217,7 @@ def fingerprint_summary(fp: dict) -> str:
     model = fp.get("model", {})
     sha = model.get("sha256") or ""
     gen = fp.get("generation", {})
-    defaults = GenerationSpec().__dict__
+    defaults = GenerationSpec().to_dict()
     changed = [f"{k}={v}" for k, v in gen.items() if k in defaults and defaults[k] != v]
     parts = [f"model {model.get('spec', '?')}" + (f" (sha256 {sha[:12]})" if sha else "")]
     parts.append("generation " + (", ".join(changed) if changed else "defaults"))

@@ -19,6 +19,7 @@ from pipeline import load_model
 from pipeline.engine.batch import BatchEngine, Request
 from pipeline.engine.compiled import cpu_compile_blocker
 from pipeline.engine import Engine, GenerateParams, Generation
+from pipeline.errors import RowError
 from pipeline.jobspec import CacheSpec
 from pipeline.models import build_model
 from tiny_model import write_tiny_model
@@ -77,7 +78,7 @@ def engine_for(model, spec=None, compile=True, context=CONTEXT, eos=NO_EOS, toke
 
 
 def run_all(be: BatchEngine, requests) -> dict:
-    """``tag -> Generation | ValueError``; asserts every request came back exactly once."""
+    """``tag -> Generation | RowError``; asserts every request came back exactly once."""
     requests = list(requests)
     out = list(be.run(requests))
     tags = [t for t, _ in out]
@@ -367,13 +368,13 @@ def test_bad_requests_fail_alone(llama):
     ref = sequential(engine, good)
     got = run_all(BatchEngine(engine, 2, 48), reqs)
     for tag, (_, match) in bad.items():
-        assert isinstance(got[tag], ValueError), tag
+        assert isinstance(got[tag], RowError), tag
         assert match in str(got[tag]), (tag, str(got[tag]))
     for r in good:
         assert got[r.tag].token_ids == ref[r.tag].token_ids
     # a batch of nothing but bad requests ends cleanly
     only_bad = run_all(BatchEngine(engine, 2, 48), [b for b, _ in bad.values()])
-    assert all(isinstance(v, ValueError) for v in only_bad.values())
+    assert all(isinstance(v, RowError) for v in only_bad.values())
 
 
 def test_max_positions_rejects_only_requests_that_need_more(llama):
@@ -383,8 +384,8 @@ def test_max_positions_rejects_only_requests_that_need_more(llama):
             Request("context-capped", list(range(1, 61)), GenerateParams(max_tokens=100))]  # 60 + 4
     got = run_all(BatchEngine(engine, 2, 48), reqs)
     assert len(got["fits"].token_ids) == 18
-    assert isinstance(got["one-more"], ValueError) and "48" in str(got["one-more"])
-    assert isinstance(got["context-capped"], ValueError)
+    assert isinstance(got["one-more"], RowError) and "48" in str(got["one-more"])
+    assert isinstance(got["context-capped"], RowError)
     got = run_all(BatchEngine(engine, 2, 64), reqs)
     g = got["context-capped"]  # max_tokens is capped by the context first, as in sequential mode
     assert len(g.token_ids) == 4 and g.finish_reason == "length"
@@ -397,8 +398,8 @@ def test_empty_stop_string_is_a_request_error(tok_lm):
     ids = chat_ids(tok, "Hi")
     got = run_all(BatchEngine(engine, 2, 64), [Request("bad", ids, GenerateParams(max_tokens=3, stop=("",))),
                                                Request("ok", ids, GenerateParams(max_tokens=3))])
-    assert isinstance(got["bad"], ValueError) and len(got["ok"].token_ids) == 3
-    with pytest.raises(ValueError):  # the same request fails in sequential mode too
+    assert isinstance(got["bad"], RowError) and len(got["ok"].token_ids) == 3
+    with pytest.raises(RowError):  # the same request fails in sequential mode too
         engine.generate(ids, GenerateParams(max_tokens=3, stop=("",)))
 
 

@@ -96,14 +96,14 @@ def test_warmup_is_excluded_from_the_trials(monkeypatch):
         return gen
 
     monkeypatch.setattr(Engine, "generate", generate)
-    original_peer = bench._peer_generate
+    original_peer = bench.decode._peer_generate
 
     def peer_generate(*args, **kwargs):
         rec = original_peer(*args, **kwargs)
         calls.append(("mlx-lm", rec["ttft_s"], rec["total_s"]))
         return rec
 
-    monkeypatch.setattr(bench, "_peer_generate", peer_generate)
+    monkeypatch.setattr(bench.decode, "_peer_generate", peer_generate)
     doc = bench.run_bench(random="tiny", prompt_tokens=(8, 12), max_tokens=4, trials=3, variants=("eager",),
                           peer=HAVE_MLX_LM, echo=lambda _s: None)
     rows = doc["rows"]

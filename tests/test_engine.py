@@ -11,6 +11,7 @@ import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
 from pipeline.engine import Engine, GenerateParams, Generation
+from pipeline.errors import RowError
 from pipeline.models import build_model, dequantize_model
 from pipeline.models.base import ConfigError
 from pipeline.models.llama import Model, ModelArgs
@@ -338,22 +339,22 @@ def test_forward_resets_cache(model, no_eos):
 
 def test_prompt_filling_context_is_rejected(model, no_eos):
     engine = Engine(model, eos_token_ids=no_eos, context_length=16)
-    with pytest.raises(ValueError, match="16"):
+    with pytest.raises(RowError, match="16"):
         engine.generate(list(range(16)), GenerateParams(max_tokens=1))
-    with pytest.raises(ValueError):
+    with pytest.raises(RowError):
         engine.generate(list(range(20)), GenerateParams(max_tokens=1))
 
 
 def test_empty_prompt_is_rejected(model, no_eos):
     engine = Engine(model, eos_token_ids=no_eos, context_length=CONTEXT)
-    with pytest.raises(ValueError, match="no tokens"):
+    with pytest.raises(RowError, match="no tokens"):
         engine.generate([], GenerateParams(max_tokens=4))
 
 
 @pytest.mark.parametrize("max_tokens", [0, -5])
 def test_max_tokens_below_one_is_rejected(model, no_eos, max_tokens):
     engine = Engine(model, eos_token_ids=no_eos, context_length=CONTEXT)
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(RowError, match="max_tokens"):
         engine.generate([1, 2, 3], GenerateParams(max_tokens=max_tokens))
 
 

@@ -1,4 +1,4 @@
-"""The fused CUDA decode step (pipeline/fused.py) against the unfused model it replaces.
+"""The fused CUDA decode step (pipeline/engine/cuda/) against the unfused model it replaces.
 
 The kernel tests run only where MLX's CUDA backend is available (the kernels are CUDA source); elsewhere
 they are skipped, ``test_fused_blocker_*`` check that the engine does not pick the fused step, and the
@@ -20,7 +20,7 @@ from mlx.utils import tree_map
 from pipeline.bench import random_weights
 from pipeline.engine.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from pipeline.engine import Engine, GenerateParams
-from pipeline.engine.fused import FusedDecoder, Gemma3Decoder, decoder_for, fused_blocker, model_blocker
+from pipeline.engine.cuda import FusedDecoder, Gemma3Decoder, decoder_for, fused_blocker, model_blocker
 from pipeline.models import build_model, dequantize_model
 from pipeline.models.base import fuse_projections
 
@@ -245,7 +245,7 @@ def test_launch_plan_covers_every_output(case, monkeypatch):
     """The host side of the fused step (runs anywhere): per token one embedding launch, five per layer,
     one vocab launch; every GEMV grid covers its output rows, the attention grid one 128-key block per
     (chunk, head) of the context, and each kernel gets the arrays its source names."""
-    import pipeline.engine.fused as fused
+    import pipeline.engine.cuda as fused
 
     model = make_model(**{"dtype": mx.float32, **case})  # float32: a fast prefill on a CPU
     monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
@@ -282,7 +282,7 @@ def test_gemma3_launch_plan(monkeypatch):
     from the embedding, later ones first add the previous layer's post-feedforward residual; one block
     per q/k/v head; sliding layers attend over their 64-slot ring (one chunk), global layers over all
     200 keys (two chunks)."""
-    import pipeline.engine.fused as fused
+    import pipeline.engine.cuda as fused
 
     model = make_model(**GEMMA, dtype=mx.float32)  # float32: a fast prefill on a CPU
     monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)

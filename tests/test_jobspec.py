@@ -288,7 +288,7 @@ def test_bad_max_tokens_is_one_problem_not_two():
 def test_engine_fused_auto_leaves_the_fingerprint_as_before():
     """Output dirs written before engine.fused existed resume: "auto" adds nothing to the fingerprint;
     an explicit setting is recorded."""
-    from pipeline.runner import fingerprint
+    from pipeline.run import fingerprint
 
     assert "fused" not in fingerprint(job_from_dict(minimal()), {"sha256": "x"})["engine"]
     off = job_from_dict(minimal(engine={"fused": False}))
@@ -330,7 +330,7 @@ def _dataclass_defaults(cls) -> dict:
         if dataclasses.is_dataclass(hints[f.name]):
             out[f.name] = _dataclass_defaults(hints[f.name])
         elif f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
+            out[f.name] = list(f.default) if isinstance(f.default, tuple) else f.default  # a tuple is a YAML list
         elif f.default_factory is not dataclasses.MISSING:
             out[f.name] = f.default_factory()
         else:

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.jobspec import job_from_dict
-from pipeline.runner import run_job
+from pipeline.run import run_job
 from tiny_model import write_tiny_model
 
 ROWS = 2000

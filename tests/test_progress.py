@@ -23,7 +23,7 @@ from tiny_model import write_tiny_model
 from pipeline.describe import describe_model
 from pipeline.inputs import read_rows
 from pipeline.jobspec import JobSpecError, job_from_dict
-from pipeline.runner import BarRefresher, generate_samples, load_job_model, plan_samples, run_job
+from pipeline.run import BarRefresher, generate_samples, load_job_model, plan_samples, run_job
 
 MAX_TOKENS = [2, 12, 3, 9]  # per-row max_tokens column; ignore_eos makes them the exact lengths
 

@@ -28,9 +28,9 @@ import pipeline  # noqa: F401  (OpenBLAS before tiny_model imports mlx.core, as 
 from conftest import ROOT
 from tiny_model import write_prompts, write_tiny_model
 
-from pipeline.distributed import ResourceError, actor_resources
+from pipeline.run.cluster import ResourceError, actor_resources
 from pipeline.jobspec import JobSpecError, RaySpec, job_from_dict
-from pipeline.runner import run_job
+from pipeline.run import run_job
 from pipeline.shards import keys_digest
 
 ROWS = 48
@@ -370,7 +370,7 @@ def test_a_stop_during_a_units_commit_waits_for_its_counting():
     import os
     import signal as sig
 
-    from pipeline.runner import Aborted, _Signals
+    from pipeline.run.control import Aborted, _Signals
 
     said, counted = [], []
     with _Signals(said.append, "units") as signals:

@@ -217,7 +217,7 @@ def test_every_engine_setting_is_a_job_key():
     import dataclasses
 
     from pipeline.jobspec import GenerationSpec
-    from pipeline.runner import generate_params
+    from pipeline.run import generate_params
 
     engine_fields = {f.name for f in dataclasses.fields(GenerateParams)} - {"seed"}
     assert engine_fields <= {f.name for f in dataclasses.fields(GenerationSpec)}

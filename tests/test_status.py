@@ -17,7 +17,7 @@ import pipeline  # noqa: F401  (OpenBLAS before tiny_model imports mlx.core, as 
 from tiny_model import write_tiny_model
 
 from pipeline.jobspec import job_from_dict
-from pipeline.runner import run_job
+from pipeline.run import run_job
 from pipeline.status import format_settings, format_status, job_status
 
 ROWS = 6

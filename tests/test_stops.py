@@ -13,6 +13,7 @@ from tokenizers.decoders import DecodeStream
 from pipeline.gguf import read_gguf
 from pipeline.resolve import resolve_model
 from pipeline.engine.stops import IncrementalDetokenizer, StopChecker, final_text
+from pipeline.errors import RowError
 from pipeline.tokenizer import _BYTE_OF_CHAR, Tokenizer, incomplete_utf8
 
 IM_START, IM_END = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>
@@ -199,9 +200,9 @@ def test_stop_checker_without_stop_strings(tok):
 
 @pytest.mark.parametrize("bad", [[""], ["ok", ""], [None]])
 def test_empty_stop_string_is_an_error(tok, bad):
-    with pytest.raises(ValueError, match="non-empty"):
+    with pytest.raises(RowError, match="non-empty"):
         StopChecker(tok, bad)
-    with pytest.raises(ValueError, match="non-empty"):
+    with pytest.raises(RowError, match="non-empty"):
         final_text(tok, [1], bad)
 
 

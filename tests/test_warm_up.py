@@ -17,7 +17,7 @@ from tiny_model import write_tiny_model
 
 from pipeline.engine import GenerateParams
 from pipeline.jobspec import job_from_dict
-from pipeline.runner import load_job_model, run_job
+from pipeline.run import load_job_model, run_job
 
 PROMPTS = ["Say one word.", "Say two words about the weather today, please."]
 

@@ -24,101 +24,20 @@ mode) with everything that changes per step passed as arrays.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .compiled import LayerKind, layer_capacity, layer_kind
-from .sequential import Engine, GenerateParams, Generation
-from ..jobspec import JobSpecError
-from .sampler import SamplerKind, sample_step, sampler_consts, sampler_state
-from .stops import StopChecker
-
-
-@dataclass
-class Request:
-    """One generation to run: ``tag`` comes back with its result (e.g. ``(row id, sample index)``)."""
-
-    tag: object
-    prompt_ids: list[int]
-    params: GenerateParams
-
-
-class BatchView:
-    """One layer's batch buffers as seen by one batched decode step (one new token per slot).
-
-    Holds ``keys``/``values`` ``(B, n_kv_heads, capacity, head_dim)`` (quantized layers: triples) and
-    ``offset``, the ``(B,)`` int32 positions of the new tokens. ``update_and_fetch`` writes each slot's
-    key and value at its position (``position % window`` for rotating layers) and returns the whole
-    buffers; ``make_mask`` marks, per slot, the written slots (for a ring that has wrapped: all of them,
-    which are exactly the window).
-
-    A quantized layer with ``start`` > 0 (``quantized_kv_start``) holds 4-tuples ``(dense, packed,
-    scales, biases)``: every position is written both ways, and a slot attends over the dense keys while
-    its position is below ``start``, over the quantized ones after, as the sequential cache does (it
-    switches once ``start`` positions are stored; quantizing is per position, so quantizing at write
-    time gives the same values as quantizing at the switch).
-    """
-
-    def __init__(self, kind: LayerKind, keys, values, pos: mx.array, start: int = 0, masks: dict | None = None):
-        self.kind, self.keys, self.values, self.offset, self.start = kind, keys, values, pos, start
-        self._masks = {} if masks is None else masks
-
-    def make_mask(self, n: int) -> mx.array:
-        """``(B, 1, 1, capacity)`` bool: True where the slot holds a position at or before the query
-        (built once per step for all layers of one capacity: ``masks`` is shared by the step's views)."""
-        cap = self.kind.capacity
-        if cap not in self._masks:
-            self._masks[cap] = (mx.arange(cap)[None, :] <= self.offset[:, None])[:, None, None, :]
-        return self._masks[cap]
-
-    def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        kind = self.kind
-        slot = self.offset % kind.window if kind.window else self.offset
-        idx = slot.reshape(-1, 1, 1, 1)
-
-        def put(buf, x):
-            return mx.put_along_axis(buf, mx.broadcast_to(idx, x.shape), x, axis=2)
-
-        if not kind.quantized:
-            self.keys, self.values = put(self.keys, k), put(self.values, v)
-            return self.keys, self.values
-
-        def store(buffers, x):
-            parts = mx.quantize(x, group_size=kind.group_size, bits=kind.bits)
-            return tuple(put(b, p) for b, p in zip(buffers, parts))
-
-        fetch = lambda b: mx.dequantize(*b, group_size=kind.group_size, bits=kind.bits).astype(k.dtype)  # noqa: E731
-        if not self.start:
-            self.keys, self.values = store(self.keys, k), store(self.values, v)
-            return fetch(self.keys), fetch(self.values)
-        dense = (self.offset < self.start).reshape(-1, 1, 1, 1)
-        both = lambda buf, x: (put(buf[0], x), *store(buf[1:], x))  # noqa: E731
-        pick = lambda buf: mx.where(dense, buf[0], fetch(buf[1:]))  # noqa: E731
-        self.keys, self.values = both(self.keys, k), both(self.values, v)
-        return pick(self.keys), pick(self.values)
+from ..errors import JobSpecError, RowError
+from .params import Generation
+from .request import Decoding, Request
+from .sampler import SamplerKind, sample_step
+from .sequential import Engine
+from .views import BatchView, _stored_slots, layer_capacity, layer_kind, position_bytes
 
 
 def _is_plain_greedy(kind: SamplerKind) -> bool:
     return kind.greedy and not kind.penalties and not kind.suppress and kind.logprobs is None
-
-
-def _stored_slots(cache) -> int:
-    """Slots of a batch-1 cache holding positions after prefill (a ring holds at most its window)."""
-    return cache.offset if cache.max_size is None else min(cache.offset, cache.max_size)
-
-
-def position_bytes(cache) -> int:
-    """Bytes one position of one slot takes in a layer's batch buffers (keys + values), from the
-    geometry of a batch-1 cache that has run at least one token."""
-    _, H, k_dim, v_dim, dtype = cache._buffer_geometry()
-    dense = H * (k_dim + v_dim) * dtype.size
-    if cache.bits is None:
-        return dense
-    per = lambda d: H * (d * cache.bits // 32 * 4 + 2 * (d // cache.group_size) * dtype.size)  # noqa: E731
-    return per(k_dim) + per(v_dim) + (dense if cache.start else 0)  # start > 0: dense copies too
 
 
 def memory_limit() -> tuple[int, str]:
@@ -159,22 +78,6 @@ def _size(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
-@dataclass
-class _Slot:
-    request: Request
-    kind: SamplerKind
-    consts: tuple
-    state: tuple
-    stop_ids: frozenset
-    max_tokens: int
-    checker: StopChecker | None
-    t0: float
-    t_first: float
-    tokens: list[int] = field(default_factory=list)
-    picked: list[tuple] = field(default_factory=list)
-    steps: int = 0
-
-
 class BatchEngine:
     """Continuous batching over an ``Engine`` (its model, tokenizer, EOS ids, cache layout and
     prefill); results are ``Generation`` s as ``Engine.generate`` returns them, plus the slot count.
@@ -183,7 +86,7 @@ class BatchEngine:
         engine: the sequential engine (its batch-1 caches are used for prefill).
         batch_size: slots B (>= 1).
         max_positions: prompt + generated tokens any request may need; sets the buffers' capacity
-            (``compiled.layer_capacity``: a power-of-two bucket >= 256, at most a layer's window).
+            (``views.layer_capacity``: a power-of-two bucket >= 256, at most a layer's window).
 
     Memory: ``kv_bytes()`` = B x capacity x ``position_bytes`` summed over layers, allocated at the first
     request and kept for the run.
@@ -247,7 +150,7 @@ class BatchEngine:
         """Zero batch buffers shaped after the (already used) batch-1 caches."""
         bufs = []
         for kind, start, c in zip(self.kinds, self.starts, self.engine.cache):
-            _, H, k_dim, v_dim, dtype = c._buffer_geometry()
+            _, H, k_dim, v_dim, dtype = c.buffer_geometry()
             for dim in (k_dim, v_dim):
                 shape = (self.B, H, kind.capacity)
                 if kind.quantized:
@@ -286,84 +189,36 @@ class BatchEngine:
 
     # -- requests --------------------------------------------------------------------------------------
 
-    def _admit(self, req: Request) -> _Slot | Generation:
-        """Prefill ``req`` and sample its first token; a ``Generation`` if it already finished."""
+    def _admit(self, req: Request) -> Decoding | Generation:
+        """Prefill ``req`` and sample its first token; a ``Generation`` if it already finished.
+
+        Raises:
+            RowError: the request cannot run (``Decoding``'s checks, or more positions than the batch's).
+        """
         eng = self.engine
-        params, n_prompt = req.params, len(req.prompt_ids)
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if n_prompt == 0:
-            raise ValueError("prompt has no tokens")
-        if n_prompt >= eng.context_length:
-            raise ValueError(f"prompt has {n_prompt} tokens; the model's context is {eng.context_length}")
-        if params.stop and eng.tokenizer is None:
-            raise ValueError("stop strings need an engine with a tokenizer")
-        max_tokens = min(params.max_tokens, eng.context_length - n_prompt)
-        if n_prompt + max_tokens > self.max_positions:
-            raise ValueError(f"prompt of {n_prompt} tokens + max_tokens {max_tokens} exceeds the batch "
-                             f"capacity of {self.max_positions} positions")
+        d = Decoding(eng, req.prompt_ids, req.params, capacity=self.max_positions, tag=req.tag)
         eng.reset()
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eng.eos_token_ids)
-        t0 = time.perf_counter()
-        logits = eng._prefill(mx.array(req.prompt_ids, dtype=mx.uint32))
-        vocab = logits.shape[-1]
-        kind = SamplerKind.of(params, stop_ids)
-        consts = sampler_consts(params, vocab, stop_ids)
-        y, state, extras = sample_step(kind, logits, consts, sampler_state(kind, params.seed, req.prompt_ids, vocab))
-        mx.eval(y, *extras, *state)
-        slot = _Slot(req, kind, consts, state, stop_ids, max_tokens,
-                     StopChecker(eng.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens)
-                     if params.stop else None, t0, time.perf_counter())
-        done = self._push(slot, y.item(), extras)
-        return self._finish(slot, done) if done else slot
+        y, extras = d.begin(eng.prefill(mx.array(req.prompt_ids, dtype=mx.uint32)))
+        mx.eval(y, *extras, *d.state)
+        done = d.push(y.item(), extras)
+        return self._finish(d, done) if done else d
 
-    def _push(self, slot: _Slot, tok: int, extras) -> tuple | None:
-        """Record one sampled token; ``(finish_reason, stop_token_id, stop_reason)`` if the request ends."""
-        if tok in slot.stop_ids:
-            return "stop", tok, tok
-        slot.tokens.append(tok)
-        slot.picked.append(extras)
-        self.engine.tokens_generated += 1
-        if slot.checker is not None:
-            matched = slot.checker.push(tok)
-            if matched is not None and len(slot.tokens) >= slot.request.params.min_tokens:
-                return "stop", None, matched
-        if len(slot.tokens) >= slot.max_tokens:
-            return "length", None, None
-        return None
+    def _finish(self, d: Decoding, done: tuple) -> Generation:
+        return d.finish(done, compiled=self.compiled)
 
-    def _finish(self, slot: _Slot, done: tuple) -> Generation:
-        finish, stop_id, stop_reason = done
-        t_end = time.perf_counter()
-        n_prompt = len(slot.request.prompt_ids)
-        ttft = slot.t_first - slot.t0
-        gen = Generation(token_ids=slot.tokens, finish_reason=finish, stop_token_id=stop_id, prompt_tokens=n_prompt,
-                         ttft_s=ttft, prefill_tps=n_prompt / ttft, decode_tps=None, total_s=0.0,
-                         peak_memory_bytes=int(mx.get_peak_memory()), compiled=self.compiled,
-                         stop_reason=stop_reason)
-        n_decoded = len(slot.tokens) + (stop_id is not None) - 1
-        if n_decoded > 0 and t_end > slot.t_first:
-            gen.decode_tps = n_decoded / (t_end - slot.t_first)
-        if slot.kind.logprobs is not None:
-            Engine._fill_logprobs(gen, slot.picked)
-        if self.engine.tokenizer is not None:
-            self.engine._fill_text(gen, slot.request.params)
-        gen.total_s = time.perf_counter() - slot.t0
-        return gen
-
-    def run(self, requests: Iterable[Request]) -> Iterator[tuple[object, Generation | ValueError]]:
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[object, Generation | RowError]]:
         """Generate every request; yields ``(tag, Generation)`` as each finishes (not in request order),
-        or ``(tag, ValueError)`` for a request that cannot run (empty prompt, too long, ...).
+        or ``(tag, RowError)`` for a request that cannot run (empty prompt, too long, ...).
 
         Requests are pulled from ``requests`` only when a slot is free, so a caller can stop feeding
         (e.g. on SIGINT) and the requests in flight still finish.
         """
         source = iter(requests)
-        slots: list[_Slot | None] = [None] * self.B
+        slots: list[Decoding | None] = [None] * self.B
         exhausted = False
         mx.reset_peak_memory()
 
-        def fill(b: int, pending_out: list) -> _Slot | None:
+        def fill(b: int, pending_out: list) -> Decoding | None:
             """Admit requests into slot ``b`` until one needs decoding (or the source runs out)."""
             nonlocal exhausted
             while not exhausted:
@@ -373,7 +228,7 @@ class BatchEngine:
                     return None
                 try:
                     got = self._admit(req)
-                except ValueError as e:
+                except RowError as e:
                     pending_out.append((req.tag, e))
                     continue
                 if isinstance(got, Generation):
@@ -411,7 +266,7 @@ class BatchEngine:
         def host_vectors():
             """Tokens, positions and activity of every slot from the host's view (idle slots: 0)."""
             return (mx.array([s.tokens[-1] if s else 0 for s in slots], dtype=mx.uint32),
-                    mx.array([len(s.request.prompt_ids) + len(s.tokens) - 1 if s else 0 for s in slots], dtype=mx.int32),
+                    mx.array([s.n_prompt + len(s.tokens) - 1 if s else 0 for s in slots], dtype=mx.int32),
                     mx.array([s is not None for s in slots], dtype=mx.int32))
 
         tokens, pos, active = host_vectors()
@@ -428,10 +283,9 @@ class BatchEngine:
             for b, s in enumerate(slots):
                 if s is None or b in skip:
                     continue
-                s.steps += 1
-                done = self._push(s, toks[b], current[2].get(b, ()))
+                done = s.push(toks[b], current[2].get(b, ()))
                 if done:
-                    out.append((s.request.tag, self._finish(s, done)))
+                    out.append((s.tag, self._finish(s, done)))
                     slots[b] = fill(b, out)  # a new request's prefill overwrites the slot, step t + 1's write included
                     fresh.add(b)
             skip = set()

@@ -5,7 +5,8 @@ Layout follows mlx-lm's ``KVCache`` (mlx_lm/models/cache.py): keys and values ar
 number of positions written.
 
 Four kinds, one interface (``offset``, ``make_mask(n)`` called before ``update_and_fetch(keys, values)``,
-``reset()``, ``reserve(n)``, ``state``, ``nbytes``), so model code does not know which it has:
+``reset()``, ``reserve(n)``, ``state``, ``nbytes``, ``buffer_geometry()``; the prefix seam ``trim(n)``,
+``copy_prefix(src, n)`` and ``prefix_blocker(n)``), so model code does not know which it has:
 
 - ``KVCache``: every position, dense.
 - ``RotatingKVCache(max_size)``: the ``max_size`` most recent positions, dense, in a ring buffer.
@@ -107,7 +108,7 @@ class _CacheBase:
         """Zero storage for ``n`` slots."""
         return mx.zeros((B, H, n, dim), dtype)
 
-    def _buffer_geometry(self) -> tuple | None:
+    def buffer_geometry(self) -> tuple | None:
         """``(B, n_kv_heads, k_head_dim, v_head_dim, dtype)`` of the buffers, None before the first update."""
         return None if self.keys is None else _geometry(self.keys, self.values)
 
@@ -142,13 +143,65 @@ class _CacheBase:
         """Grow the buffers, keeping their contents, so that at least ``min(n, max_size or n)`` slots
         exist and the next updates up to that many positions allocate nothing. Needs the buffers'
         shape: call it after the first ``update_and_fetch`` (before it, it does nothing)."""
-        geometry = self._buffer_geometry()
+        geometry = self.buffer_geometry()
         if geometry is not None:
             self._grow(n if self.max_size is None else min(n, self.max_size), geometry)
 
     def reset(self) -> None:
         """Forget the contents; the buffers are kept for the next prompt."""
         self.offset = 0
+
+    # -- the prefix seam -----------------------------------------------------------------------------
+
+    def prefix_blocker(self, n: int) -> str | None:
+        """Why the first ``n`` positions cannot be kept as a prefix (``trim``, ``copy_prefix``), or None:
+        they must all be stored (``n <= offset``), none overwritten by a ring that wrapped, and in the
+        storage mode a fresh prefill of ``n`` positions would use (quantized after ``start`` only)."""
+        if not 0 <= n <= self.offset:
+            return f"{n} positions asked, {self.offset} stored"
+        if self.max_size is not None and self.offset > self.max_size:
+            return f"the ring of {self.max_size} slots has wrapped (offset {self.offset})"
+        if self.quantized and 0 < n < getattr(self, "start", 0):
+            return f"stored quantized, but {n} positions < quantized_kv_start {self.start} are dense"
+        return None
+
+    def trim(self, n: int) -> None:
+        """Keep only the first ``n`` positions (the next update writes position ``n``).
+
+        Raises:
+            ValueError: ``prefix_blocker(n)`` (the result would differ from a prefill of those ``n``).
+        """
+        why = self.prefix_blocker(n)
+        if why:
+            raise ValueError(f"cannot trim to {n} positions: {why}")
+        if n == 0:
+            self.reset()  # the initial storage mode too
+        self.offset = n
+
+    def copy_prefix(self, src, n: int) -> None:
+        """Hold a copy of the first ``n`` positions of ``src`` (a cache of the same class and settings)
+        and nothing else; this cache's buffers are reused when large enough.
+
+        Raises:
+            ValueError: another cache class or settings, or ``src.prefix_blocker(n)``.
+        """
+        settings = lambda c: (type(c), c.max_size, c.bits, c.group_size, getattr(c, "start", 0))  # noqa: E731
+        if settings(src) != settings(self):
+            raise ValueError(f"cannot copy a prefix of a {type(src).__name__} into a {type(self).__name__} "
+                             "of other settings")
+        why = src.prefix_blocker(n)
+        if why:
+            raise ValueError(f"cannot copy a prefix of {n} positions: {why}")
+        self.reset()
+        if n:
+            self.quantized = src.quantized
+        geometry = src.buffer_geometry()
+        if n and geometry is not None:
+            if _n_slots(self.keys) < n:
+                self._resize(self._capacity_for(n), 0, geometry)
+            _put(self.keys, 0, _take(src.keys, 0, n))
+            _put(self.values, 0, _take(src.values, 0, n))
+        self.offset = n
 
     @property
     def state(self) -> list[mx.array]:
@@ -347,7 +400,7 @@ class _QuantizedStorage:
                 mx.zeros((B, H, n, dim // self.group_size), dtype),
                 mx.zeros((B, H, n, dim // self.group_size), dtype))
 
-    def _buffer_geometry(self) -> tuple | None:
+    def buffer_geometry(self) -> tuple | None:
         if self._dense[0] is not None:
             return _geometry(*self._dense)
         if self._quant[0] is not None:
@@ -361,7 +414,7 @@ class _QuantizedStorage:
         if self.quantized or self.offset < self.start:
             return
         n = self._n_stored()
-        geometry = self._buffer_geometry()
+        geometry = self.buffer_geometry()
         dense_k, dense_v = self._dense
         self.quantized = True
         if _n_slots(self.keys) < n:
@@ -372,7 +425,7 @@ class _QuantizedStorage:
     def reserve(self, n: int) -> None:
         """As ``KVCache.reserve``; before the switch to quantized storage the quantized buffers are
         grown too (and the dense ones to at most ``start`` slots, all that decoding can write into them)."""
-        geometry = self._buffer_geometry()
+        geometry = self.buffer_geometry()
         if geometry is None:
             return
         n = n if self.max_size is None else min(n, self.max_size)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -64,18 +65,47 @@ class SamplerKind:
         )
 
 
-def sampler_consts(params, vocab_size: int, suppress_ids) -> tuple[mx.array, ...]:
-    """The request's sampling values as arrays, in the order ``sample_step`` takes them: inverse
-    temperature, top_k, top_p, min_p (float32 / int32 scalars), repetition, presence and frequency
-    penalties (float32 scalars), min_tokens (int32 scalar), and the ``(vocab_size,)`` bool mask of
-    ids suppressed before ``min_tokens``. Disabled filters get values that keep every token."""
+class SamplerConsts(NamedTuple):
+    """A request's sampling values as arrays, constant through its generation (``sampler_consts``).
+
+    A compiled step takes them flattened, as ``len(SamplerConsts._fields)`` arrays in this order.
+    """
+
+    inv_temperature: mx.array  # float32 scalar: 1 / temperature (1 when greedy)
+    top_k: mx.array  # int32 scalar: vocab_size when off
+    top_p: mx.array  # float32 scalar: 2.0 when off (keeps every token)
+    min_p: mx.array  # float32 scalar
+    repetition_penalty: mx.array  # float32 scalar
+    presence_penalty: mx.array  # float32 scalar
+    frequency_penalty: mx.array  # float32 scalar
+    min_tokens: mx.array  # int32 scalar
+    suppress: mx.array  # (vocab_size,) bool: ids masked out until min_tokens tokens are generated
+
+
+class SamplerState(NamedTuple):
+    """A request's sampling state, new after every step (``sampler_state``, ``sample_step``).
+
+    A compiled step takes and returns it flattened, as ``len(SamplerState._fields)`` arrays in this order.
+    """
+
+    key: mx.array  # uint32 (2,): the random key (split once per sampled token)
+    seen: mx.array  # (vocab_size,) bool: ids in the prompt or output (repetition penalty); (1,) when off
+    counts: mx.array  # (vocab_size,) float32: occurrences in the output (presence / frequency); (1,) when off
+    n_out: mx.array  # int32 scalar: tokens generated so far
+
+
+def sampler_consts(params, vocab_size: int, suppress_ids) -> SamplerConsts:
+    """The request's sampling values as arrays (``SamplerConsts``): inverse temperature, top_k, top_p,
+    min_p (float32 / int32 scalars), repetition, presence and frequency penalties (float32 scalars),
+    min_tokens (int32 scalar), and the ``(vocab_size,)`` bool mask of ids suppressed before
+    ``min_tokens``. Disabled filters get values that keep every token."""
     t = params.temperature
     suppress = mx.zeros((vocab_size,), dtype=mx.bool_)
     ids = [i for i in suppress_ids if 0 <= i < vocab_size]
     if ids:
         suppress[mx.array(ids)] = True
     f32 = lambda v: mx.array(v, dtype=mx.float32)  # noqa: E731
-    return (
+    return SamplerConsts(
         f32(1.0 / t if t > 0 else 1.0),
         mx.array(params.top_k if params.top_k > 0 else vocab_size, dtype=mx.int32),
         f32(params.top_p if params.top_p < 1 else 2.0),
@@ -88,8 +118,8 @@ def sampler_consts(params, vocab_size: int, suppress_ids) -> tuple[mx.array, ...
     )
 
 
-def sampler_state(kind: SamplerKind, seed: int, prompt_ids, vocab_size: int) -> tuple[mx.array, ...]:
-    """The initial per-request state ``(key, seen, counts, n_out)``: the ``mx.random.key(seed)``
+def sampler_state(kind: SamplerKind, seed: int, prompt_ids, vocab_size: int) -> SamplerState:
+    """The initial per-request ``SamplerState`` ``(key, seen, counts, n_out)``: the ``mx.random.key(seed)``
     (uint32 ``(2,)``), a ``(vocab_size,)`` bool mask of ids in the prompt (repetition penalty),
     ``(vocab_size,)`` float32 counts of generated ids (presence / frequency penalties), and the int32
     count of generated tokens. The masks are size-1 placeholders when no penalty is active."""
@@ -99,7 +129,7 @@ def sampler_state(kind: SamplerKind, seed: int, prompt_ids, vocab_size: int) -> 
         ids = [i for i in prompt_ids if 0 <= i < vocab_size]
         if ids:
             seen[mx.array(ids)] = True
-    return (mx.random.key(seed), seen, mx.zeros((size,), dtype=mx.float32), mx.array(0, dtype=mx.int32))
+    return SamplerState(mx.random.key(seed), seen, mx.zeros((size,), dtype=mx.float32), mx.array(0, dtype=mx.int32))
 
 
 def filter_ranked(logits: mx.array, top_k, top_p, min_p) -> tuple[mx.array, mx.array, mx.array]:
@@ -134,11 +164,11 @@ def sample_step(kind: SamplerKind, logits: mx.array, consts, state):
     Args:
         kind: the request's ``SamplerKind``.
         logits: ``(1, vocab)`` model logits (any float dtype; upcast to float32).
-        consts: ``sampler_consts(...)``.
-        state: ``(key, seen, counts, n_out)`` from ``sampler_state`` or the previous step.
+        consts: ``SamplerConsts`` (or its arrays in field order) from ``sampler_consts``.
+        state: ``SamplerState`` (or its arrays in field order) from ``sampler_state`` or the previous step.
 
     Returns:
-        ``(token, state, logprobs)``: ``token`` ``(1,)`` uint32; the next state; ``logprobs`` is ()
+        ``(token, state, logprobs)``: ``token`` ``(1,)`` uint32; the next ``SamplerState``; ``logprobs`` is ()
         when off, else ``(chosen (1,) float32, top_ids (1, k) uint32, top_logprobs (1, k) float32)``
         of the raw distribution, alternatives in descending order.
     """
@@ -178,4 +208,4 @@ def sample_step(kind: SamplerKind, logits: mx.array, consts, state):
                       mx.take_along_axis(vals, order, axis=-1))
         else:
             extras = (chosen, mx.zeros((1, 0), dtype=mx.uint32), mx.zeros((1, 0), dtype=mx.float32))
-    return token, (key, seen, counts, n_out + 1), extras
+    return token, SamplerState(key, seen, counts, n_out + 1), extras

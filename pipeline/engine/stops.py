@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
+from ..errors import RowError
 from ..tokenizer import Tokenizer
 
 
@@ -73,7 +74,7 @@ def _check_stop(stop: Sequence[str]) -> tuple[str, ...]:
     stop = tuple(stop)
     for s in stop:
         if not isinstance(s, str) or not s:
-            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+            raise RowError(f"stop strings must be non-empty strings, got {s!r}")
     return stop
 
 
@@ -103,7 +104,7 @@ class StopChecker:
         detokenizer: the ``IncrementalDetokenizer`` of the pushed ids (left empty without stop strings).
 
     Raises:
-        ValueError: an empty or non-string stop string.
+        RowError: an empty or non-string stop string (a request's settings).
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], *, skip_special_tokens: bool = True):
@@ -149,7 +150,7 @@ def final_text(
         ``(text, matched stop string or None)``.
 
     Raises:
-        ValueError: an empty or non-string stop string.
+        RowError: an empty or non-string stop string (a request's settings).
     """
     text = tokenizer.decode_complete(ids, skip_special_tokens=skip_special_tokens)
     found = _earliest(text, _check_stop(stop), min_end)

@@ -1,4 +1,4 @@
-"""The job runner: input rows -> prompts -> engine -> results -> committed shards, resumable."""
+"""Running a job: the ``run_job`` driver, its signals, its run record and summary, in this process or on Ray."""
 
 from __future__ import annotations
 
@@ -16,20 +16,18 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from . import __version__, _blas, outdir
-from .engine.batch import BatchEngine, Request, check_kv_memory
-from .describe import parameter_count
-from .engine import GenerateParams
-from .inputs import InputRow, input_files, read_rows
-from .jobspec import GenerationSpec, JobSpec, JobSpecError, with_overrides
-from .loader import LoadedModel, load_model, model_identity
-from .prompts import Prompt, RowError, build_prompt
-from .resolve import resolve_model
-from .results import Result, result_schema, results_table
-from .engine.sampler import row_seed
-from . import shards
-from .shards import DiskFullError, OutputError, ShardStore, read_manifest
-from .tokenizer import TokenizerError
+from .. import _blas, outdir, shards
+from ..describe import parameter_count
+from ..inputs import read_rows
+from ..jobspec import JobSpec
+from ..loader import LoadedModel, model_identity
+from ..resolve import resolve_model
+from ..results import Result, result_schema, results_table
+from ..shards import DiskFullError, OutputError, ShardStore, read_manifest
+from .cluster import import_ray, open_cluster
+from .local import GenerationError, generate_samples, load_job_model
+from .plan import fingerprint, input_state, plan_samples
+from .ray import run_units
 
 
 class Aborted(BaseException):
@@ -53,8 +51,12 @@ class RunSummary:
         closures: compiled decode closures the engine built (bounded by the distinct graph shapes); on Ray,
             the sum over the actors (each builds its own).
         interrupted: None, "SIGINT" or "SIGTERM".
-        stopped: why a write into the output dir failed and stopped the run (``no space left on device while
-            writing part-00003.parquet``: ``shards.DiskFullError``), else None.
+        stopped: why the run stopped before its end: a write into the output dir found no space (``no space left
+            on device while writing part-00003.parquet``: ``shards.DiskFullError``), or generating a row raised
+            what is not a ``RowError`` (``row 'a7' (sample 0) raised ValueError: ...``: ``local.GenerationError``);
+            else None.
+        stopped_fix: what to do before running the same command again after ``stopped``: "free space" or
+            "fix the error".
         aborted: a second signal stopped the run at once; finished rows not yet committed were dropped.
         workers: ``executor: ray``: per Ray actor (``host:pid``), the units, rows, completion tokens and
             seconds of the units it ran and its warm-up seconds (``warmup_s``); empty in local mode.
@@ -73,6 +75,7 @@ class RunSummary:
     closures: int = 0
     interrupted: str | None = None
     stopped: str | None = None
+    stopped_fix: str = "free space"
     aborted: bool = False
     workers: dict[str, dict] = dataclasses.field(default_factory=dict)
     cpu_blas: str | None = None
@@ -84,7 +87,7 @@ class RunSummary:
     def line(self) -> str:
         if self.stopped:
             return (f"stopped ({self.stopped}): {self.rows_skipped + self.rows_written}/{self.rows_total} rows "
-                    f"committed in {self.out_dir}; free space, then run the same command again to resume")
+                    f"committed in {self.out_dir}; {self.stopped_fix}, then run the same command again to resume")
         if self.interrupted:
             how = "aborted" if self.aborted else "interrupted"
             return (f"{how} ({self.interrupted}): {self.rows_skipped + self.rows_written}/{self.rows_total} rows "
@@ -101,233 +104,6 @@ class RunSummary:
                 f"{self.closures} compiled decode closure{'s' * (self.closures != 1)}"
                 f"{f' across {len(self.workers)} actors' if len(self.workers) > 1 else ''}; "
                 f"charts and failed rows: pipeline report {shlex.quote(str(self.out_dir))}")
-
-
-def fingerprint(job: JobSpec, model_id: dict) -> dict:
-    """What determines a job's outputs; resuming with a different fingerprint is refused.
-
-    The model's content hash covers its tokenizer and chat template (GGUF metadata, or the hashed
-    tokenizer files of a model directory). Package versions are included because kernels and
-    tokenization may change between versions. ``engine.batch_size`` is included (batched decoding runs
-    other matmul shapes, so a token may differ at a near-tie); ``engine.max_kv_memory_gb`` is not, nor
-    ``engine.fused`` when "auto" (the default: fingerprints of jobs written before it existed hold). The
-    input files are not: rows added later are processed
-    by the next run (see ``input_state``).
-    """
-    inp = job.input
-    return {
-        "model": model_id,
-        "versions": {"pipeline": __version__, "mlx": mx.__version__, "tokenizers": _version("tokenizers")},
-        "prompt": {
-            "id_column": inp.id_column,
-            "prompt_column": inp.prompt_column,
-            "messages_column": inp.messages_column,
-            "system_prompt": inp.system_prompt,
-            "apply_chat_template": inp.apply_chat_template,
-            "parse_special_tokens": inp.parse_special_tokens,
-            "row_overrides": inp.row_overrides,
-            "truncate": inp.truncate,
-            "template": inp.template,
-            "filter": None if inp.filter is None else [dataclasses.asdict(f) for f in inp.filter],
-            "shuffle_seed": inp.shuffle_seed,
-        },
-        "generation": dataclasses.asdict(job.generation),
-        "cache": dataclasses.asdict(job.cache),
-        "engine": {k: v for k, v in dataclasses.asdict(job.engine).items()
-                   if k != "max_kv_memory_gb" and not (k == "fused" and v == "auto")},
-    }
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
-
-
-def input_state(job: JobSpec) -> list[dict]:
-    """Path, size (bytes) and mtime (ns) of each input file, recorded in the manifest to report changes
-    (a hub dataset: its name, config, split and revision)."""
-    if job.input.dataset is not None:
-        return [dataclasses.asdict(job.input.dataset)]
-    return [{"path": str(f), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
-            for f in input_files(job.input.path)]
-
-
-def job_fingerprint(job: JobSpec) -> dict:
-    """``fingerprint`` with the model resolved (resolving may download a model not yet cached)."""
-    return fingerprint(job, model_identity(job.model, resolve_model(job.model)))
-
-
-def check_output_dir(job: JobSpec, output_dir: str | None = None) -> dict | None:
-    """Check without writing that the job's output dir is new, empty, or holds this job's results
-    (for ``pipeline validate``), and that each committed shard is there with its recorded size and an
-    intact Parquet footer (``shards.check_shards``; no hashing). First, that no run holds its lock
-    (``outdir.check_not_in_use``) and that it can be written (``outdir.check_writable``: a test file created
-    and removed in it, or in its nearest existing parent).
-
-    Returns:
-        The output dir's manifest, or None when it has none (new or empty).
-
-    Raises:
-        OutputError: the dir is in use by a run, or not writable; naming the fingerprint fields that differ,
-            or foreign files; or the committed shards that are missing or damaged, one line each.
-        DiskFullError: not even the test file fits.
-    """
-    out_dir = Path(output_dir or job.output.dir)
-    outdir.check_not_in_use(out_dir)
-    outdir.check_writable(out_dir)
-    if read_manifest(out_dir) is None:
-        shards.check_output_dir(out_dir, {})
-        return None
-    manifest = shards.check_output_dir(out_dir, job_fingerprint(job))
-    shards.check_shards(out_dir, manifest["shards"], footer=True).raise_bad()
-    return manifest
-
-
-def generate_params(gen: GenerationSpec, seed: int) -> GenerateParams:
-    """The engine's per-request settings for one sample of a row whose settings are ``gen`` (the
-    fields both share, by name; lists become tuples)."""
-    shared = {f.name for f in dataclasses.fields(GenerateParams)} - {"seed"}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(gen).items() if k in shared}
-    return GenerateParams(**values, seed=seed)
-
-
-def row_generation(job: JobSpec, row: InputRow) -> GenerationSpec | str:
-    """The row's generation settings (the job's, with the row's override columns), or why they are
-    invalid (the row then fails with that error)."""
-    try:
-        return with_overrides(job.generation, row.overrides)
-    except JobSpecError as e:
-        return str(e)
-
-
-def fit_context(ids: list[int], lm: LoadedModel, policy: str) -> list[int]:
-    """``ids`` cut to leave room for at least one generated token, per ``input.truncate``: "left" drops
-    the first tokens (a leading BOS stays), "right" the last.
-
-    Raises:
-        RowError: the prompt does not fit and the policy is "error".
-    """
-    room = lm.engine.context_length - 1
-    if len(ids) <= room:
-        return ids
-    if policy == "error":
-        raise RowError(f"prompt has {len(ids)} tokens; the model's context is {lm.engine.context_length} "
-                       "(input.truncate: left or right cuts it to fit)")
-    if policy == "right":
-        return ids[:room]
-    keep = ids[:1] if ids[0] == lm.tokenizer.bos_token_id else []
-    return keep + ids[len(ids) - (room - len(keep)):]
-
-
-def _failed(row: InputRow, sample_index: int, seed: int, text: str | None, error: str, t0: float) -> Result:
-    return Result(id=row.id, sample_index=sample_index, prompt=text, completion=None, finish_reason=None,
-                  stop_reason=None, stop_token_id=None, prompt_tokens=None, completion_tokens=None, ttft_s=None,
-                  prefill_tps=None, decode_tps=None, total_s=time.perf_counter() - t0, peak_memory_bytes=None,
-                  compiled=None, seed=seed, error=error)
-
-
-@dataclass
-class Sample:
-    """One sample of one row, ready for the engine (or already failed).
-
-    Attributes:
-        row, index: the input row and the sample index.
-        seed: the sample's sampling seed (``sampler.row_seed``).
-        text: the prompt text reported in the ``prompt`` column.
-        ids: prompt token ids, cut to the context per ``input.truncate`` (None if failed).
-        params: the engine's settings (None if failed).
-        failed: the failed ``Result`` when the row cannot be generated (bad overrides, bad prompt).
-        prep_s: seconds spent building the prompt (added to the row's ``total_s``).
-    """
-
-    row: InputRow
-    index: int
-    seed: int
-    text: str | None
-    ids: list[int] | None = None
-    params: GenerateParams | None = None
-    failed: Result | None = None
-    prep_s: float = 0.0
-
-
-def prepare_sample(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int = 0,
-                   gen: GenerationSpec | str | None = None, prompt: Prompt | RowError | None = None) -> Sample:
-    """Settings, seed and prompt ids of one sample; a ``Sample`` with ``failed`` set when the row's
-    overrides or prompt are invalid.
-
-    Args:
-        gen: the row's settings from ``row_generation`` (computed when None).
-        prompt: the row's built prompt, or the ``RowError`` building it raised (built when None), so
-            the samples of one row share it.
-    """
-    t0 = time.perf_counter()
-    gen = row_generation(job, row) if gen is None else gen
-    seed = row_seed(job.generation.seed if isinstance(gen, str) else gen.seed, row.id, sample_index)
-    s = Sample(row, sample_index, seed, row.prompt if row.messages is None else None)
-    if isinstance(gen, str):
-        s.failed = _failed(row, sample_index, seed, s.text, gen, t0)
-        return s
-    try:
-        prompt = _build_or_error(row, job, lm) if prompt is None else prompt
-        if isinstance(prompt, RowError):
-            raise prompt
-        s.text = prompt.text
-        s.ids = fit_context(prompt.token_ids, lm, job.input.truncate)
-        s.params = generate_params(gen, seed)
-    except RowError as e:
-        s.failed = _failed(row, sample_index, seed, s.text, str(e), t0)
-    s.prep_s = time.perf_counter() - t0
-    return s
-
-
-def sample_result(s: Sample, g, total_s: float, batch_size: int = 1) -> Result:
-    """The output row of a finished sample: ``g`` a ``Generation``, or the ``ValueError`` the engine
-    raised for it (the row then fails with that message)."""
-    if isinstance(g, ValueError):
-        return _failed(s.row, s.index, s.seed, s.text, str(g), time.perf_counter() - total_s)
-    return Result(
-        id=s.row.id, sample_index=s.index, prompt=s.text, completion=g.text, finish_reason=g.finish_reason,
-        stop_reason=None if g.stop_reason is None else str(g.stop_reason), stop_token_id=g.stop_token_id,
-        prompt_tokens=g.prompt_tokens, completion_tokens=len(g.token_ids), ttft_s=g.ttft_s, prefill_tps=g.prefill_tps,
-        decode_tps=g.decode_tps, total_s=total_s, peak_memory_bytes=g.peak_memory_bytes,
-        compiled=g.compiled, seed=s.seed, error=None, logprobs=g.logprobs, top_token_ids=g.top_token_ids,
-        top_logprobs=g.top_logprobs, batch_size=batch_size,
-    )
-
-
-def generate_row(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int = 0,
-                 gen: GenerationSpec | str | None = None, prompt: Prompt | RowError | None = None) -> Result:
-    """Generate one sample of one row alone (sequential mode); failures become a ``Result`` with
-    ``error`` set. Arguments as ``prepare_sample``."""
-    t0 = time.perf_counter()
-    s = prepare_sample(lm, job, row, sample_index, gen, prompt)
-    if s.failed is not None:
-        return s.failed
-    try:
-        g = lm.engine.generate(s.ids, s.params)
-    except ValueError as e:
-        g = e
-    return sample_result(s, g, time.perf_counter() - t0)
-
-
-def plan_samples(job: JobSpec, rows: list[InputRow]) -> list[tuple[InputRow, int, GenerationSpec | str]]:
-    """Every (row, sample index, settings) the job produces, in input order: ``n`` samples per row
-    (the row's own ``n`` override if valid; 1 for a row whose overrides are invalid)."""
-    out = []
-    for row in rows:
-        gen = row_generation(job, row)
-        out += [(row, k, gen) for k in range(1 if isinstance(gen, str) else gen.n)]
-    return out
-
-
-def _build_or_error(row: InputRow, job: JobSpec, lm: LoadedModel) -> Prompt | RowError:
-    if row.error is not None:
-        return RowError(row.error)
-    try:
-        return build_prompt(row, job.input, lm.tokenizer)
-    except RowError as e:
-        return e
 
 
 class _Signals:
@@ -390,7 +166,7 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
             retry_failed: bool = False, redo_corrupt: bool = False, progress: bool = True, echo=print,
             on_result: Callable[[Result], None] | None = None) -> RunSummary:
     """Run (or resume) a job, in this process or (``executor: ray``) on a Ray cluster
-    (``pipeline.distributed.run_units``): the same planning, rows and resume either way.
+    (``run.ray.run_units``): the same planning, rows and resume either way.
 
     Each input row gives ``n`` output rows (``sample_index`` 0..n-1); those whose ``(id, sample_index)``
     is already committed are skipped. Finished rows are committed every ``output.shard_size`` rows or
@@ -426,6 +202,9 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
         DiskFullError: a write into the output dir found no space or quota left: the rows committed stay, the
             run record says why (best effort), ``committed`` counts the rows committed and ``summary`` is set
             once the run was recorded.
+        GenerationError: generating a row raised what is not a ``RowError`` (an error from MLX, a bug in a
+            model): the run stops as for ``DiskFullError`` (the rows finished before it are committed first,
+            best effort), the run record has the reason and the traceback (``stopped``, ``traceback``).
     """
     # held: the output dir's lock, released last (after the Ray cluster is closed and no actor writes any more)
     with contextlib.ExitStack() as held, contextlib.ExitStack() as cleanup:
@@ -443,8 +222,6 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
              retry_failed, redo_corrupt, progress, echo, on_result) -> RunSummary:
     """``run_job``; ``cleanup`` closes the Ray cluster connection, then ``held`` releases the output dir's lock."""
     if job.executor == "ray":
-        from .distributed import import_ray, open_cluster, run_units
-
         import_ray()  # missing Ray Data: one error line, before the output dir is touched
     out_dir = Path(output_dir or job.output.dir)
     rows, id_type = read_rows(job.input, limit)
@@ -469,22 +246,20 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
     summary = RunSummary(out_dir=out_dir, rows_total=len(planned), rows_skipped=len(planned) - len(pending))
     if cluster is not None and pending:
         cluster.prepare(job, out_dir, len(pending))  # resources and storage: refused before the run is recorded
-    store.manifest["inputs"] = inputs
-    store.manifest["info"] = {"python": sys.version.split()[0], "job": job.to_dict()}
-    store.manifest.pop("plan", None)  # a Ray run's units: adopted or removed on open; a Ray run plans anew
     run_record = {"started": _now(), "rows_pending": len(pending), "retry_failed": retry_failed, "force": force,
                   "redo_corrupt": redo_corrupt, "executor": job.executor}
-    store.add_run(run_record)  # with the fingerprint; the shards this run commits name it
+    # with the fingerprint; the shards this run commits name it
+    store.add_run(run_record, inputs=inputs, info={"python": sys.version.split()[0], "job": job.to_dict()})
     try:
         store.save()
     except DiskFullError as e:
-        return _finish(summary, store, run_record, e)
+        return _finish(summary, store, e)
     if not pending:
         if changed := shards.diff_fields(store.manifest["fingerprint"], fp):  # --force, nothing to generate
             echo(f"--force: no row to generate, so the committed rows keep their recorded settings "
                  f"(changed: {', '.join(changed)})")
-        return _finish(summary, store, run_record)
-    stopped = None  # the DiskFullError that stopped the run
+        return _finish(summary, store)
+    stopped = None  # the DiskFullError or GenerationError that stopped the run
     if job.executor == "ray":
         with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "units") as signals:
             try:
@@ -493,20 +268,19 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
                           echo=echo)
             except Aborted as e:
                 summary.interrupted, summary.aborted = str(e), True
-            except DiskFullError as e:  # a unit's shard or the manifest: the units committed are kept
+            except (DiskFullError, GenerationError) as e:  # a unit's shard, the manifest, a row: units committed stay
                 stopped = e
-        return _finish(summary, store, run_record, stopped)
+        return _finish(summary, store, stopped)
 
     say = (lambda m: tqdm.write(m, file=sys.stderr)) if progress else (lambda m: None)
     t_load = time.perf_counter()
     lm = load_job_model(job, path)
     say(f"loaded {job.model} ({_model_line(lm)}) in {time.perf_counter() - t_load:.1f} s")
-    run_record["device"] = str(mx.default_device())
+    store.update_run(device=str(mx.default_device()))
     if mx.default_device() == mx.cpu:
-        run_record["blas"] = _blas.STATE.to_dict()
+        store.update_run(blas=_blas.STATE.to_dict())
         summary.cpu_blas = _blas.STATE.short()
-    run_record["warmup_s"] = round(lm.warm_up(), 3)  # kernel compilation: not in the first row's statistics
-    say(f"warmed up in {run_record['warmup_s']:.1f} s")
+
     schema = result_schema(id_type)
     buffer: list[Result] = []
     last_flush = time.monotonic()
@@ -521,6 +295,13 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
 
     t0 = time.perf_counter()
     tokens0 = lm.engine.tokens_generated
+
+    def warm_up(batch) -> None:  # compiles kernels, traces the job's own step: left out of the rows' statistics
+        nonlocal t0, tokens0
+        warmup_s = round(lm.warm_up(batch), 3)
+        store.update_run(warmup_s=warmup_s)
+        say(f"warmed up in {warmup_s:.1f} s")
+        t0, tokens0 = time.perf_counter(), lm.engine.tokens_generated
     bar = tqdm(total=len(planned), initial=summary.rows_skipped, unit="row", desc="generating",
                disable=not progress, dynamic_ncols=True)
 
@@ -546,21 +327,24 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
     try:
         with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "rows" if job.engine.batch_size > 1 else "row") as signals:
             try:
-                batch_closures = generate_samples(lm, job, pending, record, lambda: signals.first is not None,
-                                                  planned=planned)
+                try:
+                    batch_closures = generate_samples(lm, job, pending, record, lambda: signals.first is not None,
+                                                      planned=planned, warm_up=warm_up)
+                except GenerationError as e:  # the rows finished before it are committed; the next run resumes
+                    stopped = e
                 flush()
                 summary.interrupted = signals.first
             except Aborted as e:
                 summary.interrupted, summary.aborted = signals.first or str(e), True
             except DiskFullError as e:  # a shard or the manifest did not fit: the rows not committed are redone
-                stopped = e
+                stopped = stopped or e
     finally:
         if refresher is not None:
             refresher.stop()
         bar.close()
     summary.elapsed_s = time.perf_counter() - t0
     summary.closures = lm.engine.closure_count + batch_closures
-    return _finish(summary, store, run_record, stopped)
+    return _finish(summary, store, stopped)
 
 
 class BarRefresher:
@@ -606,157 +390,61 @@ def _model_line(lm: LoadedModel) -> str:
     return f"{lm.config['model_type']}, {size} parameters"
 
 
-def load_job_model(job: JobSpec, path: Path) -> LoadedModel:
-    """The job's model from its resolved ``path``, with the job's engine and cache settings (in this
-    process, or in a Ray actor).
-
-    Raises:
-        GGUFError, ModelDirError, ConfigError, WeightsError: the model cannot be loaded.
-        TokenizerError: ``input.apply_chat_template`` and the model has no chat template.
-    """
-    lm = load_model(job.model, dtype=job.engine.dtype, dequantize=job.engine.dequantize,
-                    prefill_step_size=job.engine.prefill_step_size, cache_spec=job.cache,
-                    compile=job.engine.compile, path=path, batch_size=job.engine.batch_size,
-                    fused=job.engine.fused)
-    if job.input.apply_chat_template and not lm.tokenizer.chat_template:
-        raise TokenizerError(f"model {job.model!r} has no chat template; set input.apply_chat_template: false")
-    return lm
-
-
-def generate_samples(lm: LoadedModel, job: JobSpec, samples, record: Callable[[Result], None],
-                     stopping: Callable[[], bool] = lambda: False, *, planned=None, positions: int | None = None) -> int:
-    """Generate ``samples`` ((row, sample index, settings) triples, as ``plan_samples`` gives them) as a
-    job does, calling ``record`` with each ``Result``: one at a time in order, or with continuous batching
-    when ``engine.batch_size`` > 1 (``_run_batched``; rows then finish out of order). Once ``stopping()``
-    is true no new row starts. Returns the compiled closures a batch engine built (0 when sequential).
-
-    Args:
-        planned: every sample of the job (batched mode sizes its slots from all of them), or None when
-            ``positions`` is given.
-        positions: batched mode's slot capacity, ``batch_capacity(lm, job, planned)``, when computed
-            elsewhere (a Ray actor runs a slice of the job).
-
-    Raises:
-        JobSpecError: batched mode's KV buffers would exceed ``engine.max_kv_memory_gb`` or the device's memory.
-    """
-    if job.engine.batch_size > 1:
-        return _run_batched(lm, job, planned, samples, record, stopping, positions)
-    prompt_of = (None, None)  # (row index, its Prompt or RowError): samples of a row share it
-    for row, k, gen in samples:
-        if stopping():
-            break
-        if prompt_of[0] != row.index:
-            prompt_of = (row.index, _build_or_error(row, job, lm))
-        record(generate_row(lm, job, row, k, gen, prompt_of[1]))
-    return 0
-
-
-def _prepared(lm: LoadedModel, job: JobSpec, samples):
-    """``prepare_sample`` of each sample, lazily; the samples of a row share its built prompt."""
-    prompt_of = (None, None)  # (row index, its Prompt or RowError)
-    for row, k, gen in samples:
-        if prompt_of[0] != row.index:
-            prompt_of = (row.index, _build_or_error(row, job, lm))
-        yield prepare_sample(lm, job, row, k, gen, prompt_of[1])
-
-
-def _positions(lm: LoadedModel, s: Sample) -> int:
-    return min(len(s.ids) + s.params.max_tokens, lm.engine.context_length)
-
-
-def batch_capacity(lm: LoadedModel, job: JobSpec, planned) -> int:
-    """Batched mode's positions per slot for a job: the longest prompt + max_tokens of any sample in
-    ``planned`` (every sample of the job), at most the context; 0 if every sample fails."""
-    return max((_positions(lm, s) for s in _prepared(lm, job, planned) if s.failed is None), default=0)
-
-
-def _run_batched(lm: LoadedModel, job: JobSpec, planned, pending, record: Callable[[Result], None],
-                 stopping: Callable[[], bool], positions: int | None = None) -> int:
-    """Generate ``pending`` samples with continuous batching (``engine.batch_size`` slots), calling
-    ``record`` with each result as it finishes (rows come out of input order). Returns the compiled
-    closures the batch engine built.
-
-    Every prompt of the job (``planned``, committed rows included) is built first, unless ``positions``
-    is given: the longest prompt + max_tokens sets the slots' capacity (``batch_capacity``), so every
-    run of a job, resumed or not, decodes with the same step shape (B slots x capacity), and a row's
-    tokens do not depend on which rows are still pending. The KV memory is checked
-    (``batch.check_kv_memory``) before any generation. Once ``stopping()`` is true no new row starts;
-    the rows in flight finish.
-
-    Raises:
-        JobSpecError: the KV buffers would exceed ``engine.max_kv_memory_gb`` or the device's memory.
-    """
-    todo = {(row.id, k) for row, k, _ in pending}
-    samples, failed, seen = [], [], 0
-    for s in _prepared(lm, job, pending if positions is not None else planned):
-        if s.failed is None:
-            seen = max(seen, _positions(lm, s))
-        if (s.row.id, s.index) in todo:
-            (samples if s.failed is None else failed).append(s)
-    positions = seen if positions is None else positions
-    engine = None
-    if samples:
-        engine = BatchEngine(lm.engine, job.engine.batch_size, positions)
-        check_kv_memory(engine, job.engine.max_kv_memory_gb)
-    for s in failed:
-        record(s.failed)
-    if engine is None:
-        return 0
-
-    def requests():
-        for i, s in enumerate(samples):
-            if stopping():
-                return
-            yield Request(i, s.ids, s.params)
-
-    for i, g in engine.run(requests()):
-        s = samples[i]
-        record(sample_result(s, g, s.prep_s + (g.total_s if not isinstance(g, ValueError) else 0.0),
-                             engine.B))
-    return engine.closure_count
-
-
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _finish(summary: RunSummary, store: ShardStore, run_record: dict,
-            stopped: DiskFullError | None = None) -> RunSummary:
-    """Finish the run record and save the manifest; returns ``summary``.
+def _finish(summary: RunSummary, store: ShardStore,
+            stopped: DiskFullError | GenerationError | None = None) -> RunSummary:
+    """Finish the run record and save the manifest (``ShardStore.finish_run``); returns ``summary``.
 
     Args:
-        stopped: the write that found no space and stopped the run: the run record says so (``stopped``),
-            best effort (the manifest may not fit either), and the error is raised again.
+        stopped: the write that found no space, or the row that raised, and stopped the run: the run record
+            says so (``stopped``; a row's error also its ``traceback``), best effort (the manifest may not fit
+            either), and the error is raised again.
 
     Raises:
         DiskFullError: ``stopped`` (or the manifest write here found no space), with the rows committed, the
             summary, and a ``note`` when the run record could not be saved.
+        GenerationError: ``stopped``, with the same.
     """
-    summary.shards = len(store.manifest["shards"])
+    summary.shards = len(store.shard_files)
     summary.failed_total = len(store.failed_keys())
+    end = {}
     if stopped is not None:
-        summary.stopped = f"{stopped.reason} while writing {stopped.file}"
-        run_record["stopped"] = summary.stopped
-    run_record.update(finished=_now(), rows_written=summary.rows_written, rows_failed=summary.rows_failed,
-                      completion_tokens=summary.completion_tokens, elapsed_s=round(summary.elapsed_s, 3),
-                      interrupted=summary.interrupted, aborted=summary.aborted)
+        summary.stopped = _stop_reason(stopped)
+        end["stopped"] = summary.stopped
+        if isinstance(stopped, GenerationError):
+            summary.stopped_fix = "fix the error"
+            end["traceback"] = stopped.trace
+    end.update(finished=_now(), rows_written=summary.rows_written, rows_failed=summary.rows_failed,
+               completion_tokens=summary.completion_tokens, elapsed_s=round(summary.elapsed_s, 3),
+               interrupted=summary.interrupted, aborted=summary.aborted)
     if summary.workers:
-        run_record["workers"] = {k: {**w, "seconds": round(w["seconds"], 3), "warmup_s": round(w.get("warmup_s", 0.0), 3)}
-                                 for k, w in summary.workers.items()}
-    store.manifest["complete"] = summary.complete
+        end["workers"] = {k: {**w, "seconds": round(w["seconds"], 3), "warmup_s": round(w.get("warmup_s", 0.0), 3)}
+                          for k, w in summary.workers.items()}
     note = None
     try:
-        store.save()
+        store.finish_run(summary.complete, **end)
     except DiskFullError as e:
         if stopped is None:
-            stopped, summary.stopped = e, f"{e.reason} while writing {e.file}"
+            stopped, summary.stopped = e, _stop_reason(e)
         note = (f"the run record could not be saved ({e.reason} while writing {e.file}): manifest.json holds "
                 "the last commit, without this run's end")
     if stopped is None:
         return summary
-    error = DiskFullError(stopped.out_dir, stopped.file, stopped.reason, committed=store.manifest["rows"], note=note)
+    committed = store.manifest["rows"]
+    if isinstance(stopped, GenerationError):
+        error = GenerationError(stopped.rows, stopped.error, stopped.trace, committed=committed, note=note)
+    else:
+        error = DiskFullError(stopped.out_dir, stopped.file, stopped.reason, committed=committed, note=note)
     error.summary = summary
     raise error from None
+
+
+def _stop_reason(e: DiskFullError | GenerationError) -> str:
+    """``no space left on device while writing part-00003.parquet``, or ``row 'a7' (sample 0) raised ...``."""
+    return e.reason if isinstance(e, GenerationError) else f"{e.reason} while writing {e.file}"
 
 
 def _rows_committed(out_dir: str | Path) -> int:

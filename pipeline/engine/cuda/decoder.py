@@ -1,0 +1,373 @@
+"""``FusedDecoder``: the fused CUDA step of the Llama/Qwen2 layer, its weights as the kernels read them, its kernels.
+
+The step's design: ``pipeline.engine.cuda``'s docstring. The kernels' CUDA text: ``kernels/*.cu`` and
+``kernels/common.cuh``, read and filled in by ``sources``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import _head_dim
+from .sources import fill, float_literal, header
+
+ATTN_CHUNK = 128  # keys per attention block (one thread per key)
+WARPS_PER_BLOCK = 8  # per GEMV block of 256 threads
+MAX_SMEM_BYTES = 48 * 1024  # static shared memory limit per block (CUDA)
+
+
+def units_per_warp(rows: int, mode: str) -> int:
+    """Output rows (row pairs for "swiglu") one warp computes: more for large projections, so x is
+    staged and read once for several weight rows (fewer x reads per weight byte, more loads in flight),
+    one or two for small ones, so enough blocks exist to occupy the GPU."""
+    if mode == "swiglu":
+        return 2 if rows >= 16384 else 1
+    return 4 if rows >= 16384 else 2
+
+
+class Proj:
+    """One projection's weights as the kernels read them: ``bits`` 0 (dense), 4 or 8."""
+
+    def __init__(self, layer: nn.Module):
+        self.bias = layer.get("bias") if isinstance(layer, nn.Module) else None
+        if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            self.bits, self.group_size = layer.bits, layer.group_size
+            self.arrays = [layer.weight, layer.scales, layer.biases]
+            self.out_dim = layer.weight.shape[0]
+            self.in_dim = layer.weight.shape[1] * 32 // layer.bits
+        else:
+            self.bits, self.group_size = 0, 1
+            self.arrays = [layer.weight]
+            self.out_dim, self.in_dim = layer.weight.shape
+
+    def problem(self, dtype: mx.Dtype) -> str | None:
+        """Why the GEMV cannot read these weights, or None."""
+        if self.bits not in (0, 4, 8):
+            return f"{self.bits}-bit weights"
+        if self.bits and (getattr(self.arrays[1], "dtype", None) != dtype or len(self.arrays) != 3
+                          or self.arrays[2] is None):
+            return "quantized weights without affine scales/biases of the compute dtype"
+        if not self.bits and self.arrays[0].dtype != dtype:
+            return f"dense weights of {self.arrays[0].dtype}, compute dtype {dtype}"
+        vals = 128 // self.bits if self.bits else 16 // dtype.size
+        if self.in_dim % vals or (self.bits and self.group_size % vals):
+            return f"input size {self.in_dim} / group size {self.group_size} not a multiple of {vals}"
+        if self.in_dim * dtype.size > MAX_SMEM_BYTES - 1024:
+            return f"input size {self.in_dim} too large for one block's shared memory"
+        return None
+
+    def names(self, prefix: str = "") -> list[str]:
+        """The kernel's input names for ``arrays`` (``prefix`` tells two projections of a kernel apart)."""
+        return [prefix + n for n in (["w", "s", "b"] if self.bits else ["w"])]
+
+    def vals(self, dtype: mx.Dtype) -> int:
+        """Input values one lane's 16-byte weight load covers."""
+        return 128 // self.bits if self.bits else 16 // dtype.size
+
+    def rows_dot(self, r: int, prefix: str = "", acc: str = "acc") -> str:
+        """CUDA statement: the warp's dot products of rows ``rows[0..r)`` with ``xs`` into ``acc``."""
+        names = self.names(prefix)
+        if self.bits:
+            w, s, b = names
+            return fill("calls.cu", "rows_dot_quantized", bits=self.bits, group_size=self.group_size,
+                        in_dim=self.in_dim, rows=r, w=w, s=s, b=b, acc=acc)
+        return fill("calls.cu", "rows_dot_dense", in_dim=self.in_dim, rows=r, w=names[0], acc=acc)
+
+
+def rope_table(rope: nn.Module, head_dim: int) -> tuple[mx.array, float, bool]:
+    """``(inverse frequencies (head_dim/2,) float32, position scale, traditional)`` of a RoPE module
+    (``nn.RoPE``: ``base ** (-2j / dims)``, positions times ``scale``; ``Llama3RoPE``: ``1 / freqs``)."""
+    if rope.dims != head_dim:
+        raise ValueError("partial RoPE")
+    freqs = getattr(rope, "_freqs", None)
+    if freqs is not None:
+        return (1.0 / freqs.astype(mx.float32)).astype(mx.float32), 1.0, rope.traditional
+    j = mx.arange(0, head_dim, 2, dtype=mx.float32)
+    inv = mx.power(mx.array(rope.base, mx.float32), -j / head_dim)
+    return inv.astype(mx.float32), float(rope.scale), rope.traditional
+
+
+class FusedDecoder:
+    """The fused decode step of one Llama-family or Qwen2 model (see ``pipeline.engine.cuda``);
+    ``Gemma3Decoder`` is the Gemma 3 variant. Build one with ``decoder_for(model)``.
+
+    ``step(token, pos, n_ctx, caches)``: ``token`` ``(1,)`` integer array, ``pos`` ``(1,)`` int32 array
+    (the token's position = positions already in the caches), ``n_ctx`` the same position as a host int
+    (sizes the attention grid) -> logits ``(1, vocab)`` in the compute dtype. Writes the token's keys
+    and values in place into each cache's buffers: slot ``pos`` of a ``KVCache``, slot
+    ``pos % max_size`` of a ``RotatingKVCache`` (``pipeline.engine.cache``: the ring's layout). The buffers
+    must be materialized, row-contiguous and long enough (``prepare``).
+
+    Raises:
+        ValueError (constructor): the model is not supported (``blocker`` gives the reason).
+    """
+
+    # The HF model_type of the families whose layer this class runs (Qwen 3 is not one: its per-head
+    # q/k RMSNorms are in no kernel here).
+    model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2")
+
+    def __init__(self, model):
+        reason = self.blocker(model)
+        if reason:
+            raise ValueError(reason)
+        args = model.args
+        inner = model.model
+        self.dtype = inner.norm.weight.dtype
+        self.hidden = args.hidden_size
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        attn0 = inner.layers[0].self_attn
+        self.head_dim = _head_dim(model)
+        self.scale = attn0.scale
+        self.eps = args.rms_norm_eps
+        self.embed = Proj(inner.embed_tokens)
+        self.head = Proj(model.lm_head) if "lm_head" in model else self.embed
+        self.final_norm = inner.norm.weight
+        self.embed_scale: float | None = None
+        self.layers = [self._read_layer(layer) for layer in inner.layers]
+        mx.eval([v for lay in self.layers for v in lay.values() if isinstance(v, mx.array)])
+        self._kernels: dict = {}
+        self._scratch = None
+        self._counts = mx.zeros((self.n_heads,), mx.int32)
+
+    # -- what the kernels need of a model -------------------------------------------------------------
+
+    @classmethod
+    def blocker(cls, model) -> str | None:
+        """Why this class cannot run ``model``, or None: a family not in ``model_types``, the compute
+        dtype, head size, RoPE variant, or weights the GEMV cannot read (``Proj.problem``)."""
+        family = model.args.model_type
+        if family not in cls.model_types:
+            return f"model family {family} has no fused step"
+        inner = model.model
+        dtype = inner.norm.weight.dtype
+        if dtype not in (mx.float16, mx.bfloat16, mx.float32):
+            return f"compute dtype {dtype}"
+        attn0 = inner.layers[0].self_attn
+        head_dim = _head_dim(model)
+        if head_dim % 8 or head_dim > 1024 or attn0.n_heads % attn0.n_kv_heads:
+            return f"head_dim {head_dim}"
+        why = cls._shape_problem(model, dtype, head_dim)
+        if why:
+            return why
+        projs = [Proj(inner.embed_tokens)] + ([Proj(model.lm_head)] if "lm_head" in model else [])
+        for layer in inner.layers:
+            a = layer.self_attn
+            if type(a.rope).__name__ not in ("RoPE", "Llama3RoPE") or a.rope.dims != head_dim:
+                return "RoPE variant"
+            why, layer_projs = cls._layer_projs(layer)
+            if why:
+                return why
+            projs += layer_projs
+        for p in projs:
+            why = p.problem(dtype)
+            if why:
+                return why
+        if projs[0].bits and projs[0].group_size > model.args.hidden_size:
+            return "embedding group size"
+        return None
+
+    @staticmethod
+    def _shape_problem(model, dtype: mx.Dtype, head_dim: int) -> str | None:
+        """Why the model's sizes do not fit this class's kernels (beyond ``Proj.problem``), or None."""
+        return None
+
+    @staticmethod
+    def _layer_projs(layer) -> tuple[str | None, list[Proj]]:
+        """``(why the layer cannot run here or None, its projections)``: fused q/k/v and gate/up
+        projections (``pipeline.models.base.fuse_projections``), no o/MLP biases."""
+        a, m = layer.self_attn, layer.mlp
+        if "qkv_proj" not in a or "gate_up_proj" not in m:
+            return "q/k/v or gate/up projections are not fused (their weights differ in kind)", []
+        if "bias" in m.down_proj or "bias" in a.o_proj or "bias" in m.gate_up_proj:
+            return "biased o/MLP projections", []
+        return None, [Proj(a.qkv_proj), Proj(a.o_proj), Proj(m.gate_up_proj), Proj(m.down_proj)]
+
+    def _read_layer(self, layer) -> dict:
+        a, m = layer.self_attn, layer.mlp
+        inv, pscale, trad = rope_table(a.rope, self.head_dim)
+        return {"in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "qkv": Proj(a.qkv_proj), "o": Proj(a.o_proj), "gu": Proj(m.gate_up_proj), "down": Proj(m.down_proj),
+                "inv_freq": inv, "pos_scale": pscale, "traditional": trad}
+
+    # -- kernels --------------------------------------------------------------------------------------
+
+    def _kernel(self, key, make):
+        k = self._kernels.get(key)
+        if k is None:
+            k = self._kernels[key] = make()
+        return k
+
+    def _qkv_kernel(self, qkv: Proj, trad: bool, pscale: float, win: int):
+        """``kernels/qkv.cu`` for this layer's shapes, and its number of rotation pairs (one warp each)."""
+        H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
+        has_bias = qkv.bias is not None
+
+        def make():
+            pairs = (H + 2 * KVH) * D // 2
+            bias = [fill("qkv.cu", "bias", y=f"y{i}", row=f"r{i}") if has_bias else "" for i in (0, 1)]
+            src = fill("qkv.cu", "body", hidden=self.hidden, head_dim=D, n_heads=H, n_kv_heads=KVH, window=win,
+                       vals=qkv.vals(self.dtype), eps=float_literal(self.eps), pairs=pairs, traditional=int(trad),
+                       rows_dot=qkv.rows_dot(2), bias0=bias[0], bias1=bias[1], pos_scale=float_literal(pscale))
+            names = ["x", "nw", *qkv.names(), *(["bias"] if has_bias else []), "inv_freq", "pos", "kc", "vc"]
+            return mx.fast.cuda_kernel(name="pl_qkv", input_names=names, output_names=["q"], source=src,
+                                       header=header()), pairs
+
+        return self._kernel(("qkv", qkv.bits, qkv.group_size, qkv.in_dim, qkv.out_dim, trad, pscale, has_bias, win),
+                            make)
+
+    def _attn_kernel(self, win: int):
+        """Attention of each head's query over the cache's filled slots: ``0..pos`` (full cache) or
+        ``0..min(pos + 1, win) - 1`` (a ring of ``win`` slots: exactly the query's window);
+        ``kernels/attn.cu``."""
+        H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
+
+        def make():
+            src = fill("attn.cu", "body", head_dim=D, chunk=ATTN_CHUNK, group=H // KVH, window=win,
+                       scale=float_literal(self.scale))
+            return mx.fast.cuda_kernel(name="pl_attn", input_names=["q", "kc", "vc", "pos", "scratch", "counts"],
+                                       output_names=["o"], source=src, header=header())
+
+        return self._kernel(("attn", win), make)
+
+    # GEMV modes: (prologue staging x, epilogue storing the rows).
+    # prologue "copy": x as is; "norm": rms_norm(x, nw); "res" (Gemma 3): hout = h + rms_norm(x, wpost),
+    # then rms_norm(hout, nw); "res_final": the same without writing hout.
+    # epilogue "plain": out = T(W x); "residual": out = T(T(W x) + r); "swiglu": out[i] = silu(T(W x)[i]) *
+    # T(W x)[i + n] (gate and up rows of one fused matrix); "geglu": out = gelu_approx(T(G x)) * T(U x)
+    # (two matrices, the second passed as ``proj2``); MLX's rounding after each op.
+    GEMV_MODES = {
+        "residual": ("copy", "residual"),
+        "swiglu": ("norm", "swiglu"),
+        "norm": ("norm", "plain"),
+        "plain": ("copy", "plain"),
+        "geglu": ("res", "geglu"),
+        "res_logits": ("res_final", "plain"),
+    }
+    # The inputs each prologue reads, in the kernels' order (the weights follow).
+    PROLOGUE_INPUTS = {"copy": ["x"], "norm": ["x", "nw"], "res": ["x", "h", "wpost", "nw"],
+                       "res_final": ["x", "h", "wpost", "nw"]}
+
+    def _prologue(self, pre: str, vals: int) -> str:
+        """CUDA statements staging the GEMV's input in ``xs`` (see ``GEMV_MODES``; ``kernels/calls.cu``)."""
+        eps = float_literal(self.eps)
+        if pre in ("copy", "norm"):
+            return fill("calls.cu", "load_x", norm=str(pre == "norm").lower(), vals=vals,
+                        weight="nw" if pre == "norm" else "x", eps=eps)
+        write = pre == "res"
+        return fill("calls.cu", "load_x_res", vals=vals, clip=str(self.dtype == mx.float16).lower(),
+                    write=str(write).lower(), eps=eps, hout="hout" if write else "(T*)nullptr")
+
+    def _gemv_kernel(self, proj: Proj, mode: str, proj2: Proj | None = None):
+        """``kernels/gemv.cu`` for ``mode`` and these weights, its number of warps and its output rows."""
+        pre, post = self.GEMV_MODES[mode]
+
+        def make():
+            pair = post in ("swiglu", "geglu")
+            n_out = proj.out_dim // 2 if post == "swiglu" else proj.out_dim
+            units = units_per_warp(2 * n_out if pair else n_out, "swiglu" if pair else mode)
+            r = 2 * units if post == "swiglu" else units
+            if post == "geglu":
+                dots = fill("gemv.cu", "dots_geglu", n_rows=r, gate_dot=proj.rows_dot(r, "g"),
+                            up_dot=proj2.rows_dot(r, "u", "acc2"))
+            else:
+                dots = proj.rows_dot(r)
+            src = fill("gemv.cu", "body", in_dim=proj.in_dim, n_out=n_out, units=units,
+                       prologue=self._prologue(pre, proj.vals(self.dtype)), n_rows=r,
+                       row_index=fill("gemv.cu", "row_index_pair" if post == "swiglu" else "row_index"),
+                       dots=dots, store=fill("gemv.cu", f"store_{post}"))
+            names = list(self.PROLOGUE_INPUTS[pre])
+            names += [*proj.names("g"), *proj2.names("u")] if post == "geglu" else proj.names()
+            names += ["r"] if post == "residual" else []
+            outs = ["out", "hout"] if pre == "res" else ["out"]
+            return mx.fast.cuda_kernel(name=f"pl_gemv_{mode}", input_names=names, output_names=outs,
+                                       source=src, header=header()), -(-n_out // units), n_out
+
+        sig = lambda p: None if p is None else (p.bits, p.group_size, p.in_dim, p.out_dim)  # noqa: E731
+        return self._kernel(("gemv", mode, sig(proj), sig(proj2)), make)
+
+    def _embed_kernel(self):
+        """``kernels/embed.cu`` for the embedding's layout (and Gemma's scale)."""
+        e = self.embed
+
+        def make():
+            n = self.hidden
+            if e.bits:
+                per = 32 // e.bits
+                val = fill("embed.cu", "value_quantized", groups=n // e.group_size, group_size=e.group_size,
+                           words=n // per, per_word=per, bits=e.bits, mask=(1 << e.bits) - 1)
+            else:
+                val = fill("embed.cu", "value_dense", hidden=n)
+            if self.embed_scale is not None:  # Gemma 3: the embedding (in T) times the scale (in T)
+                val = fill("embed.cu", "value_scaled", value=val, scale=float_literal(self.embed_scale))
+            src = fill("embed.cu", "body", hidden=n, value=val)
+            return mx.fast.cuda_kernel(name="pl_embed", input_names=["ids", *e.names()], output_names=["out"],
+                                       source=src, header=header())
+
+        return self._kernel(("embed",), make)
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    def prepare(self, caches, n_positions: int) -> None:
+        """Make every cache buffer hold at least ``n_positions`` positions (a ring: ``min(n_positions,
+        max_size)`` slots), row-contiguous and materialized (MLX returns the update itself for a slice
+        update that covers the whole buffer: a prefill that fills the buffer leaves it a transposed view of
+        the new keys), and size the attention scratch (``n_heads * ceil(n_positions /
+        128) * (head_dim + 2)`` float32)."""
+        for c in caches:
+            c.reserve(n_positions)
+            if c.keys is not None:  # a prefill that filled the whole buffer left it a view of its keys
+                c.keys, c.values = mx.contiguous(c.keys), mx.contiguous(c.values)
+        mx.eval([c.state for c in caches])
+        splits = -(-n_positions // ATTN_CHUNK)
+        need = self.n_heads * splits * (self.head_dim + 2)
+        if self._scratch is None or self._scratch.size < need:
+            self._scratch = mx.zeros((need,), mx.float32)
+            mx.eval(self._scratch, self._counts)
+
+    def _embed(self, token: mx.array) -> mx.array:
+        return self._embed_kernel()(inputs=[token, *self.embed.arrays], template=[("T", self.dtype)],
+                                    grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(self.hidden,)],
+                                    output_dtypes=[self.dtype])[0]
+
+    def _attend(self, q: mx.array, pos: mx.array, n_ctx: int, cache) -> mx.array:
+        """Attention output ``(n_heads * head_dim,)`` of the query ``q`` at position ``n_ctx`` over ``cache``."""
+        win = cache.max_size or 0
+        n_keys = min(n_ctx + 1, win) if win else n_ctx + 1
+        splits = -(-n_keys // ATTN_CHUNK)
+        return self._attn_kernel(win)(
+            inputs=[q, cache.keys, cache.values, pos, self._scratch, self._counts], template=[("T", self.dtype)],
+            grid=(splits * ATTN_CHUNK, self.n_heads, 1), threadgroup=(ATTN_CHUNK, 1, 1),
+            output_shapes=[(self.n_heads * self.head_dim,)], output_dtypes=[self.dtype])[0]
+
+    def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
+        H, D = self.n_heads, self.head_dim
+        h = self._embed(token)
+        for lay, c in zip(self.layers, caches):
+            qkv = lay["qkv"]
+            kern, pairs = self._qkv_kernel(qkv, lay["traditional"], lay["pos_scale"], c.max_size or 0)
+            extra = [qkv.bias] if qkv.bias is not None else []
+            q = self._launch(kern, [h, lay["in_norm"], *qkv.arrays, *extra, lay["inv_freq"], pos, c.keys, c.values],
+                             -(-pairs // WARPS_PER_BLOCK), H * D)
+            o = self._attend(q, pos, n_ctx, c)
+            h = self._gemv(lay["o"], "residual", [o, *lay["o"].arrays, h])
+            a = self._gemv(lay["gu"], "swiglu", [h, lay["post_norm"], *lay["gu"].arrays])
+            h = self._gemv(lay["down"], "residual", [a, *lay["down"].arrays, h])
+        logits = self._gemv(self.head, "norm", [h, self.final_norm, *self.head.arrays])
+        return logits[None]
+
+    def _launch(self, kern, inputs: list, blocks: int, n_out: int, res: bool = False):
+        """Run a kernel of 256-thread blocks whose output is ``(n_out,)`` in the compute dtype; with
+        ``res`` (a "res" prologue) also returns the new residual stream ``(hidden,)`` it writes."""
+        outs = kern(inputs=inputs, template=[("T", self.dtype)], grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
+                    output_shapes=[(n_out,), (self.hidden,)] if res else [(n_out,)],
+                    output_dtypes=[self.dtype] * (2 if res else 1))
+        return (outs[0], outs[1]) if res else outs[0]
+
+    def _gemv(self, proj: Proj, mode: str, inputs: list, proj2: Proj | None = None):
+        """Launch a GEMV kernel (``GEMV_MODES``): its output ``(rows,)``, and for prologue "res" also
+        the new residual stream ``(hidden,)``."""
+        kern, warps, n_out = self._gemv_kernel(proj, mode, proj2)
+        return self._launch(kern, inputs, -(-warps // WARPS_PER_BLOCK), n_out, self.GEMV_MODES[mode][0] == "res")

@@ -1,0 +1,117 @@
+"""Host side of the fused CUDA decode step of the Gemma 3 layer (``Gemma3Decoder``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .decoder import MAX_SMEM_BYTES, FusedDecoder, Proj, rope_table
+from .sources import fill, float_literal, header
+
+
+class Gemma3Decoder(FusedDecoder):
+    """The fused decode step of a Gemma 3 text model (``pipeline.models.gemma3_text``, after mlx-lm's
+    gemma3_text.py). Per layer five kernels:
+
+    1. the previous layer's residual step (``h + rms_norm(down_out, post_feedforward_layernorm)``; the
+       first layer starts from the scaled embedding), RMSNorm, the q/k/v projections, the per-head
+       q/k RMSNorms, RoPE (local base on sliding layers), and the key/value written into the cache
+       (one block per head: the per-head norms need the whole head);
+    2. attention (a sliding layer's ``RotatingKVCache`` ring holds exactly the query's window);
+    3. o_proj;
+    4. ``h + rms_norm(o_out, post_attention_layernorm)``, ``pre_feedforward_layernorm``, the gate and up
+       projections and ``gelu_approx(gate) * up``;
+    5. down_proj;
+
+    and the final kernel does the last residual step, the final norm and the (tied) output projection.
+    Gemma's norm weights are offsets from 1 (``1 + w`` is precomputed in the compute dtype, as the model
+    computes it); in float16 the residual sums are taken in float32 and clipped to the float16 range;
+    the embedding is scaled by ``sqrt(hidden_size)`` rounded to bfloat16 — all as mlx-lm's model does.
+    """
+
+    model_types = ("gemma3_text",)
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.final_norm = 1.0 + model.model.norm.weight
+        self.embed_scale = mx.array(self.hidden**0.5, mx.bfloat16).astype(self.dtype).item()
+        mx.eval(self.final_norm)
+
+    @staticmethod
+    def _shape_problem(model, dtype: mx.Dtype, head_dim: int) -> str | None:
+        # The q/k/v kernel stages x and the residual (hidden values each) and two head rows of floats.
+        if 2 * model.args.hidden_size * dtype.size + 2 * 4 * head_dim > MAX_SMEM_BYTES - 1024:
+            return f"hidden size {model.args.hidden_size} too large for one block's shared memory"
+        return None
+
+    @staticmethod
+    def _layer_projs(layer) -> tuple[str | None, list[Proj]]:
+        """``(why the layer cannot run here or None, its projections)``: q/k/v of one quantization,
+        gate/up of one quantization, no biases."""
+        a, m = layer.self_attn, layer.mlp
+        groups = [[Proj(a.q_proj), Proj(a.k_proj), Proj(a.v_proj)], [Proj(m.gate_proj), Proj(m.up_proj)]]
+        for group in groups:
+            if len({(p.bits, p.group_size) for p in group}) > 1:
+                return "q/k/v or gate/up projections of different quantization", []
+        projs = [*groups[0], *groups[1], Proj(a.o_proj), Proj(m.down_proj)]
+        if any(p.bias is not None for p in projs):
+            return "biased projections", []
+        return None, projs
+
+    def _read_layer(self, layer) -> dict:
+        a, m = layer.self_attn, layer.mlp
+        inv, pscale, trad = rope_table(a.rope, self.head_dim)
+        one = lambda norm: 1.0 + norm.weight  # noqa: E731 - Gemma's RMSNorm scales by 1 + weight
+        return {"in_norm": one(layer.input_layernorm), "post_attn": one(layer.post_attention_layernorm),
+                "pre_ff": one(layer.pre_feedforward_layernorm), "post_ff": one(layer.post_feedforward_layernorm),
+                "q_norm": one(a.q_norm), "k_norm": one(a.k_norm),
+                "q": Proj(a.q_proj), "k": Proj(a.k_proj), "v": Proj(a.v_proj), "o": Proj(a.o_proj),
+                "gate": Proj(m.gate_proj), "up": Proj(m.up_proj), "down": Proj(m.down_proj),
+                "inv_freq": inv, "pos_scale": pscale, "traditional": trad}
+
+    def _gemma_qkv_kernel(self, lay: dict, res: bool, win: int):
+        """``kernels/qkv_gemma.cu`` for this layer's shapes; ``res``: starts with the previous layer's
+        residual step (every layer but the first)."""
+        H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = lay["q"], lay["k"], lay["v"]
+        trad, pscale = lay["traditional"], lay["pos_scale"]
+        units = 4
+
+        def make():
+            def head_rows(proj: Proj, prefix: str, first: str) -> str:
+                return fill("qkv_gemma.cu", "head_rows", first=first, rows_dot=proj.rows_dot(units, prefix))
+
+            src = fill("qkv_gemma.cu", "body", hidden=self.hidden, head_dim=D, n_heads=H, n_kv_heads=KVH,
+                       units=units, window=win, prologue=self._prologue("res" if res else "norm", q.vals(self.dtype)),
+                       q_rows=head_rows(q, "q", "head"), k_rows=head_rows(k, "k", "head - H"),
+                       v_rows=head_rows(v, "v", "head - H - KVH"), eps=float_literal(self.eps),
+                       traditional=int(trad), pos_scale=float_literal(pscale))
+            names = [*self.PROLOGUE_INPUTS["res" if res else "norm"], *q.names("q"), *k.names("k"),
+                     *v.names("v"), "qn", "kn", "inv_freq", "pos", "kc", "vc"]
+            return mx.fast.cuda_kernel(name="pl_qkv_gemma", input_names=names,
+                                       output_names=["q", "hout"] if res else ["q"], source=src, header=header())
+
+        sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim) for p in (q, k, v))
+        return self._kernel(("gemma_qkv", sig, trad, pscale, res, win), make)
+
+    def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
+        H, D = self.n_heads, self.head_dim
+        h = self._embed(token)
+        pending = None  # the previous layer's down_proj output and post-feedforward norm, not yet added to h
+        for lay, c in zip(self.layers, caches):
+            kern = self._gemma_qkv_kernel(lay, pending is not None, c.max_size or 0)
+            qkv = [*lay["q"].arrays, *lay["k"].arrays, *lay["v"].arrays]
+            front = [pending[0], h, pending[1]] if pending is not None else [h]
+            inputs = [*front, lay["in_norm"], *qkv, lay["q_norm"], lay["k_norm"], lay["inv_freq"], pos, c.keys, c.values]
+            blocks = H + 2 * self.n_kv_heads  # one per q, k and v head
+            if pending is None:
+                q = self._launch(kern, inputs, blocks, H * D)
+            else:
+                q, h = self._launch(kern, inputs, blocks, H * D, res=True)
+            o = self._attend(q, pos, n_ctx, c)
+            y = self._gemv(lay["o"], "plain", [o, *lay["o"].arrays])
+            a, h = self._gemv(lay["gate"], "geglu", [y, h, lay["post_attn"], lay["pre_ff"], *lay["gate"].arrays,
+                                                     *lay["up"].arrays], proj2=lay["up"])
+            y = self._gemv(lay["down"], "plain", [a, *lay["down"].arrays])
+            pending = (y, lay["post_ff"])
+        logits = self._gemv(self.head, "res_logits", [pending[0], h, pending[1], self.final_norm, *self.head.arrays])
+        return logits[None]

@@ -1,0 +1,69 @@
+// pl_attn: attention of each head's query q over the cache's filled slots 0..pos (a ring of $window
+// slots: its min(pos + 1, $window) slots, exactly the query's window), in blocks of $chunk keys (one
+// thread per key; grid (chunks * $chunk, heads)). With several chunks each block writes its partial
+// softmax (max, sum, weighted values) to scratch and the last block of a head to finish combines them,
+// as in flash-decoding (counts: per-head arrival counters, reset by that block). Filled in by
+// FusedDecoder._attn_kernel (pipeline/engine/cuda/decoder.py).
+//@ body
+
+  constexpr int D = $head_dim, CH = $chunk, NT = $chunk, G = $group, VEC = 16 / sizeof(T), WIN = $window;
+  __shared__ float qs[D];
+  __shared__ float pr[CH];
+  __shared__ float red[32];
+  __shared__ int last;
+  const int h = blockIdx.y, s = blockIdx.x, NS = gridDim.x, t = threadIdx.x;
+  const int L = WIN ? min(pos[0] + 1, WIN) : pos[0] + 1;
+  const size_t cap = kc_shape[2];
+  const int kvh = h / G;
+  for (int d = t; d < D; d += NT) qs[d] = static_cast<float>(q[h * D + d]) * $scale;
+  __syncthreads();
+  const int k = s * CH + t;
+  float sc = PL_NEG_INF;
+  if (k < L) {
+    const T* kr = kc + ((size_t)kvh * cap + k) * D;
+    float acc = 0.f;
+#pragma unroll
+    for (int d = 0; d < D; d += VEC) {
+      uint4 v = *reinterpret_cast<const uint4*>(kr + d);
+      const T* kv = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int i = 0; i < VEC; i++) acc += qs[d + i] * static_cast<float>(kv[i]);
+    }
+    sc = acc;
+  }
+  const float m = pl_block_max<NT>(sc, red);
+  const float e = (k < L) ? expf(sc - m) : 0.f;
+  pr[t] = e;
+  const float l = pl_block_sum<NT>(e, red);
+  const int kend = min(CH, L - s * CH);
+  float* part = const_cast<float*>(scratch) + ((size_t)h * NS + s) * (D + 2);
+  for (int d = t; d < D; d += NT) {
+    const T* vr = vc + ((size_t)kvh * cap + (size_t)s * CH) * D + d;
+    float acc = 0.f;
+    for (int i = 0; i < kend; i++) acc += pr[i] * static_cast<float>(vr[(size_t)i * D]);
+    if (NS == 1) o[h * D + d] = static_cast<T>(acc / l);
+    else part[2 + d] = acc;
+  }
+  if (NS == 1) return;
+  if (t == 0) {
+    part[0] = m;
+    part[1] = l;
+  }
+  __threadfence();
+  __syncthreads();
+  if (t == 0) last = (atomicAdd(const_cast<int*>(counts) + h, 1) == NS - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const float* base = scratch + (size_t)h * NS * (D + 2);
+  float M = PL_NEG_INF;
+  for (int i = 0; i < NS; i++) M = fmaxf(M, __ldcg(base + (size_t)i * (D + 2)));
+  float den = 0.f;
+  for (int i = 0; i < NS; i++) den += __ldcg(base + (size_t)i * (D + 2) + 1) * expf(__ldcg(base + (size_t)i * (D + 2)) - M);
+  for (int d = t; d < D; d += NT) {
+    float num = 0.f;
+    for (int i = 0; i < NS; i++)
+      num += __ldcg(base + (size_t)i * (D + 2) + 2 + d) * expf(__ldcg(base + (size_t)i * (D + 2)) - M);
+    o[h * D + d] = static_cast<T>(num / den);
+  }
+  if (t == 0) const_cast<int*>(counts)[h] = 0;

@@ -1,0 +1,19 @@
+// Calls of common.cuh's helpers that the kernels share, filled in per projection by
+// pipeline/engine/cuda/decoder.py (Proj.rows_dot, FusedDecoder._prologue). Each section after a
+// "//@ name" line is one fragment; $names are string.Template placeholders.
+//
+// rows_dot_*: the warp's dot products of the weight rows rows[0..$rows) with the staged x (xs) into $acc;
+//   $w, $s, $b the kernel's input names of the packed weights, scales and biases (quantized) or of the
+//   dense weights ($w).
+// load_x: x (or RMSNorm(x, nw) when $norm is true) into shared memory, swizzled for $vals-value loads.
+// load_x_res: Gemma 3's residual step first (pl_load_x_res); $clip true in float16, $write true when the
+//   kernel also writes the new residual stream ($hout = hout, else a null pointer).
+//@ rows_dot_quantized
+pl_rows_dot<T, $bits, $group_size, $in_dim, $rows>($w, (const T*)nullptr, $s, $b, rows, xs, lane, $acc);
+//@ rows_dot_dense
+pl_rows_dot<T, 0, 1, $in_dim, $rows>((const uint32_t*)nullptr, $w, (const T*)nullptr, (const T*)nullptr, rows, xs, lane, $acc);
+//@ load_x
+pl_load_x<T, K, NT, $norm, $vals>(x, $weight, $eps, xs, red);
+//@ load_x_res
+__shared__ __align__(16) T hs[K];
+  pl_load_x_res<T, K, NT, $vals, $clip, $write>(h, x, wpost, nw, $eps, xs, hs, red, $hout);

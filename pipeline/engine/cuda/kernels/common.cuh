@@ -1,0 +1,194 @@
+// Device helpers of the fused decode step: the `header` of every kernel (pipeline/engine/cuda/sources.py
+// passes the text after the marker below to mx.fast.cuda_kernel verbatim).
+//@ header
+
+#define PL_FULL 0xffffffffu
+#define PL_NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float pl_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(PL_FULL, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float pl_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(PL_FULL, v, o));
+  return v;
+}
+
+// Sum over the block (NT threads, a multiple of 32); every thread gets the total.
+template <int NT>
+__device__ __forceinline__ float pl_block_sum(float v, float* red) {
+  v = pl_warp_sum(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = ((threadIdx.x & 31) < NT / 32) ? red[threadIdx.x & 31] : 0.f;
+  return pl_warp_sum(t);
+}
+
+template <int NT>
+__device__ __forceinline__ float pl_block_max(float v, float* red) {
+  v = pl_warp_max(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float t = ((threadIdx.x & 31) < NT / 32) ? red[threadIdx.x & 31] : PL_NEG_INF;
+  return pl_warp_max(t);
+}
+
+// Staged copy of x in shared memory, "swizzled": x is cut into chunks of VALS values (what one lane's
+// 16-byte weight load covers), each chunk into 16-byte pieces; piece p of every chunk is stored
+// contiguously across chunks, so the 32 lanes of a warp, each reading piece p of its own chunk, read
+// consecutive 16-byte words (no shared-memory bank conflicts).
+template <typename T, int VALS, int K>
+__device__ __forceinline__ int pl_swz(int k) {
+  constexpr int PS = 16 / sizeof(T);
+  constexpr int NCH = K / VALS;
+  const int c = k / VALS, o = k % VALS;
+  return ((o / PS) * NCH + c) * PS + (o % PS);
+}
+
+// x (K values) into shared memory (swizzled), through RMSNorm when NORM:
+// y = w * T(x * rsqrt(mean(x^2) + eps)) (MLX's rms_norm rounding: the normalized value is rounded to
+// T, then multiplied by the weight in T).
+template <typename T, int K, int NT, bool NORM, int VALS>
+__device__ __forceinline__ void pl_load_x(const T* x, const T* nw, float eps, T* xs, float* red) {
+  if (NORM) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < K; i += NT) {
+      float v = static_cast<float>(x[i]);
+      ss += v * v;
+    }
+    float r = rsqrtf(pl_block_sum<NT>(ss, red) / K + eps);
+    for (int i = threadIdx.x; i < K; i += NT) {
+      T y = static_cast<T>(static_cast<float>(x[i]) * r);
+      xs[pl_swz<T, VALS, K>(i)] = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(y));
+    }
+  } else {
+    for (int i = threadIdx.x; i < K; i += NT) xs[pl_swz<T, VALS, K>(i)] = x[i];
+  }
+  __syncthreads();
+}
+
+// Dot products of R weight rows with the staged x (K values), each summed over the warp into out[r].
+// BITS 4 or 8: MLX affine quantization (uint32 words, 32/BITS values each, low bits first;
+// value = scale * q + bias per GS values). BITS 0: dense weights of type T.
+// Each lane reads 16-byte chunks of every row (a chunk never straddles a quantization group) and the
+// matching x values once for all R rows.
+template <typename T, int BITS, int GS, int K, int R>
+__device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, const T* sc, const T* bi,
+                                            const int (&rows)[R], const T* xs, int lane, float (&out)[R]) {
+  constexpr int PS = 16 / sizeof(T);
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) acc[r] = 0.f;
+  if constexpr (BITS == 0) {
+    constexpr int CH = K / PS;
+#pragma unroll 2
+    for (int c = lane; c < CH; c += 32) {
+      uint4 wv[R];
+#pragma unroll
+      for (int r = 0; r < R; r++) wv[r] = reinterpret_cast<const uint4*>(wd + (size_t)rows[r] * K)[c];
+      const uint4 xr = *reinterpret_cast<const uint4*>(xs + c * PS);
+      const T* xv = reinterpret_cast<const T*>(&xr);
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const T* w = reinterpret_cast<const T*>(&wv[r]);
+#pragma unroll
+        for (int j = 0; j < PS; j++) acc[r] += static_cast<float>(w[j]) * static_cast<float>(xv[j]);
+      }
+    }
+  } else {
+    constexpr int PER = 32 / BITS;
+    constexpr int VALS = 4 * PER;
+    constexpr int CH = K / VALS;
+    constexpr int NG = K / GS;
+    constexpr int NP = VALS / PS;
+#pragma unroll 2
+    for (int c = lane; c < CH; c += 32) {
+      uint4 wv[R];
+      float s[R], b[R];
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        wv[r] = reinterpret_cast<const uint4*>(wq + (size_t)rows[r] * (K / PER))[c];
+        s[r] = static_cast<float>(sc[(size_t)rows[r] * NG + (c * VALS) / GS]);
+        b[r] = static_cast<float>(bi[(size_t)rows[r] * NG + (c * VALS) / GS]);
+      }
+      float xf[VALS];
+      float sx = 0.f;
+#pragma unroll
+      for (int p = 0; p < NP; p++) {
+        const uint4 xr = *reinterpret_cast<const uint4*>(xs + (p * CH + c) * PS);
+        const T* xv = reinterpret_cast<const T*>(&xr);
+#pragma unroll
+        for (int e = 0; e < PS; e++) {
+          xf[p * PS + e] = static_cast<float>(xv[e]);
+          sx += xf[p * PS + e];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const uint32_t ws[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+        float qx = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+#pragma unroll
+          for (int j = 0; j < PER; j++)
+            qx += static_cast<float>((ws[i] >> (BITS * j)) & ((1u << BITS) - 1u)) * xf[i * PER + j];
+        }
+        acc[r] += s[r] * qx + b[r] * sx;
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; r++) out[r] = pl_warp_sum(acc[r]);
+}
+
+// Gemma 3's residual step before a projection: hn = h + rms_norm(y, wpost) (float16: summed in float32
+// and clipped to the float16 range, as mlx-lm's clip_residual), then x = rms_norm(hn, wnorm) into
+// shared memory (swizzled). hs: K values of shared memory for hn. When WRITE, the first block writes hn
+// (the new residual stream) to hout.
+template <typename T, int K, int NT, int VALS, bool CLIP, bool WRITE>
+__device__ __forceinline__ void pl_load_x_res(const T* h, const T* y, const T* wpost, const T* wnorm, float eps,
+                                              T* xs, T* hs, float* red, T* hout) {
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < K; i += NT) {
+    float v = static_cast<float>(y[i]);
+    ss += v * v;
+  }
+  const float r = rsqrtf(pl_block_sum<NT>(ss, red) / K + eps);
+  float ss2 = 0.f;
+  for (int i = threadIdx.x; i < K; i += NT) {
+    const T n = static_cast<T>(static_cast<float>(y[i]) * r);
+    const T pn = static_cast<T>(static_cast<float>(wpost[i]) * static_cast<float>(n));
+    float v = static_cast<float>(h[i]) + static_cast<float>(pn);
+    if (CLIP) v = fminf(fmaxf(v, -65504.f), 65504.f);
+    const T hv = static_cast<T>(v);
+    hs[i] = hv;
+    const float f = static_cast<float>(hv);
+    ss2 += f * f;
+  }
+  const float r2 = rsqrtf(pl_block_sum<NT>(ss2, red) / K + eps);
+  for (int i = threadIdx.x; i < K; i += NT) {
+    const T n = static_cast<T>(static_cast<float>(hs[i]) * r2);
+    xs[pl_swz<T, VALS, K>(i)] = static_cast<T>(static_cast<float>(wnorm[i]) * static_cast<float>(n));
+    if (WRITE && blockIdx.x == 0) hout[i] = hs[i];
+  }
+  __syncthreads();
+}
+
+// MLX's nn.gelu_approx, 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3))), rounded to T after
+// every op as MLX's compiled elementwise kernel does (x is already a T value).
+template <typename T>
+__device__ __forceinline__ T pl_gelu_approx(float x) {
+  const T x3 = static_cast<T>(x * x * x);
+  const T t1 = static_cast<T>(static_cast<float>(static_cast<T>(0.044715f)) * static_cast<float>(x3));
+  const T t2 = static_cast<T>(x + static_cast<float>(t1));
+  const T t3 = static_cast<T>(static_cast<float>(static_cast<T>(0.7978845608028654f)) * static_cast<float>(t2));
+  const T t4 = static_cast<T>(tanhf(static_cast<float>(t3)));
+  const T t5 = static_cast<T>(1.f + static_cast<float>(t4));
+  const T t6 = static_cast<T>(0.5f * x);
+  return static_cast<T>(static_cast<float>(t6) * static_cast<float>(t5));
+}

@@ -1,0 +1,63 @@
+// pl_qkv_gemma (Gemma 3): the previous layer's residual step or the embedding ($prologue), RMSNorm, the
+// q, k and v projections, the per-head q/k RMSNorms (weights qn, kn), RoPE, and the key and value written
+// in place into slot pos (a ring of $window slots: pos % $window) of kc/vc. One 256-thread block per q,
+// k or v head (the per-head norms need the whole head). Filled in by Gemma3Decoder._gemma_qkv_kernel
+// (pipeline/engine/cuda/gemma3.py).
+//
+// head_rows: the block's head ($first: its index among the q, k or v heads) projected into ys, $units
+// rows per warp.
+//@ head_rows
+    for (int i0 = warp * U; i0 < D; i0 += NW * U) {
+      int rows[U];
+      float acc[U];
+#pragma unroll
+      for (int u = 0; u < U; u++) rows[u] = ($first) * D + i0 + u;
+      $rows_dot
+      if (lane == 0) {
+#pragma unroll
+        for (int u = 0; u < U; u++) ys[i0 + u] = static_cast<float>(static_cast<T>(acc[u]));
+      }
+    }
+//@ body
+
+  constexpr int K = $hidden, NT = 256, NW = NT / 32, D = $head_dim, H = $n_heads, KVH = $n_kv_heads, U = $units, WIN = $window;
+  __shared__ __align__(16) T xs[K];
+  __shared__ float red[32];
+  __shared__ float ys[D];
+  __shared__ float yn[D];
+  $prologue
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int head = blockIdx.x;
+  if (head < H) {
+$q_rows
+  } else if (head < H + KVH) {
+$k_rows
+  } else {
+$v_rows
+  }
+  __syncthreads();
+  const int ps = pos[0];
+  const int slot = WIN ? ps % WIN : ps;
+  const size_t cap = kc_shape[2];
+  if (head >= H + KVH) {
+    T* dst = const_cast<T*>(vc) + ((size_t)(head - H - KVH) * cap + slot) * D;
+    for (int d = threadIdx.x; d < D; d += NT) dst[d] = static_cast<T>(ys[d]);
+    return;
+  }
+  const T* hw = head < H ? qn : kn;
+  float ss = 0.f;
+  for (int d = threadIdx.x; d < D; d += NT) ss += ys[d] * ys[d];
+  const float rr = rsqrtf(pl_block_sum<NT>(ss, red) / D + $eps);
+  for (int d = threadIdx.x; d < D; d += NT) {
+    const T n = static_cast<T>(ys[d] * rr);
+    yn[d] = static_cast<float>(static_cast<T>(static_cast<float>(hw[d]) * static_cast<float>(n)));
+  }
+  __syncthreads();
+  T* dst = head < H ? q + (size_t)head * D : const_cast<T*>(kc) + ((size_t)(head - H) * cap + slot) * D;
+  for (int j = threadIdx.x; j < D / 2; j += NT) {
+    const int i0 = $traditional ? 2 * j : j, i1 = $traditional ? 2 * j + 1 : j + D / 2;
+    const float th = static_cast<float>(ps) * $pos_scale * inv_freq[j];
+    const float c = cosf(th), sn = sinf(th);
+    dst[i0] = static_cast<T>(yn[i0] * c - yn[i1] * sn);
+    dst[i1] = static_cast<T>(yn[i0] * sn + yn[i1] * c);
+  }

@@ -1,0 +1,166 @@
+"""The request in flight: its checks, stop ids, sampler set-up, token push and finished ``Generation``.
+
+``Decoding`` is the one place both decode loops (``Engine.generate`` and ``BatchEngine.run``) keep what a
+request is: they differ only in how the next token is computed (eager, compiled, fused or batched
+step); how a token is recorded, when a request ends and how its result is built is shared here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..errors import RowError
+from .params import GenerateParams, Generation
+from .sampler import SamplerKind, sample_step, sampler_consts, sampler_state
+from .stops import StopChecker, final_text
+
+
+@dataclass
+class Request:
+    """One generation to run: ``tag`` comes back with its result (e.g. ``(row id, sample index)``)."""
+
+    tag: object
+    prompt_ids: list[int]
+    params: GenerateParams
+
+
+class Decoding:
+    """One request from its checks to its ``Generation``.
+
+    Construct it, prefill the prompt, call ``begin`` with the last position's logits (the first token),
+    then ``push`` every token read back until it returns how the request ended, then ``finish``.
+
+    Args:
+        engine: the ``Engine`` whose model runs the request (its EOS ids, context length, tokenizer,
+            ``max_kv_size`` and ``tokens_generated`` counter are used).
+        prompt_ids: the prompt's token ids.
+        params: the request's ``GenerateParams``.
+        capacity: most positions (prompt + generated) the decode loop can hold (a batch's buffers), or
+            None for no limit besides the model's context.
+        tag: the caller's name for the request (``Request.tag``), kept as ``tag``.
+
+    Attributes:
+        max_tokens: tokens this request may generate: ``params.max_tokens`` capped by the context.
+        stop_ids: ids that end it (``stop_token_ids``, plus the EOS ids unless ``ignore_eos``).
+        kind, consts, state: the sampler's ``SamplerKind``, ``SamplerConsts`` and current
+            ``SamplerState`` (set by ``begin``; a decode loop that keeps the state elsewhere, such as
+            the compiled step, may leave ``state`` at the first token's).
+        tokens: the ids generated so far (a stop token is not included).
+        t0, t_first: ``time.perf_counter()`` at the start of prefill and when the first token was
+            read back (set by the loop).
+
+    Raises:
+        RowError: ``max_tokens`` < 1, an empty prompt, a prompt that fills the model's context, or (with
+            ``capacity``) prompt + ``max_tokens`` over it.
+        ValueError: stop strings with an engine that has no tokenizer.
+    """
+
+    def __init__(self, engine, prompt_ids: list[int], params: GenerateParams, capacity: int | None = None,
+                 tag: object = None):
+        n_prompt = len(prompt_ids)
+        if params.max_tokens < 1:
+            raise RowError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if n_prompt == 0:
+            raise RowError("prompt has no tokens")
+        if n_prompt >= engine.context_length:
+            raise RowError(f"prompt has {n_prompt} tokens; the model's context is {engine.context_length}")
+        if params.stop and engine.tokenizer is None:
+            raise ValueError("stop strings need an engine with a tokenizer")
+        self.max_tokens = min(params.max_tokens, engine.context_length - n_prompt)
+        if capacity is not None and n_prompt + self.max_tokens > capacity:
+            raise RowError(f"prompt of {n_prompt} tokens + max_tokens {self.max_tokens} exceeds the batch "
+                           f"capacity of {capacity} positions")
+        if engine.max_kv_size is not None and n_prompt > engine.max_kv_size:
+            engine._note(f"a prompt of {n_prompt} tokens is longer than cache.max_kv_size {engine.max_kv_size}: "
+                         "its first tokens (the system turn, say) are out of the attention window", "window")
+        self.engine, self.prompt_ids, self.params, self.tag = engine, prompt_ids, params, tag
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else engine.eos_token_ids)
+        self.checker = StopChecker(engine.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens) \
+            if params.stop else None
+        self.tokens: list[int] = []
+        self.picked: list[tuple] = []  # each recorded token's logprob arrays
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    def begin(self, logits: mx.array) -> tuple[mx.array, tuple]:
+        """Sampler set-up and the first token from the prefill's last logits ``(1, vocab)``; returns
+        ``(token (1,) uint32, logprob arrays)``, lazy."""
+        vocab = logits.shape[-1]
+        self.kind = SamplerKind.of(self.params, self.stop_ids)
+        self.consts = sampler_consts(self.params, vocab, self.stop_ids)
+        first = sampler_state(self.kind, self.params.seed, self.prompt_ids, vocab)
+        y, self.state, extras = sample_step(self.kind, logits, self.consts, first)
+        return y, extras
+
+    def push(self, tok: int, extras: tuple) -> tuple | None:
+        """Record one token read back (``extras``: its logprob arrays); returns ``(finish_reason,
+        stop_token_id, stop_reason)`` if the request ends with it, else None.
+
+        A stop id ends it with "stop" and is not recorded; a stop string ends it once ``min_tokens``
+        tokens are generated; the ``max_tokens``-th token ends it with "length".
+        """
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        if tok in self.stop_ids:
+            return "stop", tok, tok
+        self.tokens.append(tok)
+        self.picked.append(extras)
+        self.engine.tokens_generated += 1
+        if self.checker is not None:
+            matched = self.checker.push(tok)
+            if matched is not None and len(self.tokens) >= self.params.min_tokens:
+                return "stop", None, matched
+        if len(self.tokens) >= self.max_tokens:
+            return "length", None, None
+        return None
+
+    def finish(self, done: tuple, *, compiled: bool, fused: bool = False) -> Generation:
+        """The finished ``Generation`` (logprobs and text filled in) for ``done`` as ``push`` returned it."""
+        finish, stop_id, stop_reason = done
+        t_end = time.perf_counter()
+        ttft = self.t_first - self.t0
+        gen = Generation(token_ids=self.tokens, finish_reason=finish, stop_token_id=stop_id,
+                         prompt_tokens=self.n_prompt, ttft_s=ttft, prefill_tps=self.n_prompt / ttft, decode_tps=None,
+                         total_s=0.0, peak_memory_bytes=int(mx.get_peak_memory()), compiled=compiled, fused=fused,
+                         stop_reason=stop_reason)
+        n_decoded = len(self.tokens) + (stop_id is not None) - 1
+        if n_decoded > 0 and t_end > self.t_first:
+            gen.decode_tps = n_decoded / (t_end - self.t_first)
+        if self.kind.logprobs is not None:
+            self._fill_logprobs(gen)
+        if self.engine.tokenizer is not None:
+            self._fill_text(gen)
+        gen.total_s = time.perf_counter() - self.t0
+        return gen
+
+    def _fill_logprobs(self, gen: Generation) -> None:
+        if not self.picked:
+            gen.logprobs, gen.top_token_ids, gen.top_logprobs = [], [], []
+            return
+        chosen, ids, vals = (mx.concatenate([p[i] for p in self.picked]) for i in range(3))
+        gen.logprobs, gen.top_token_ids, gen.top_logprobs = chosen.tolist(), ids.tolist(), vals.tolist()
+
+    def _fill_text(self, gen: Generation) -> None:
+        """The completion text; a stop string counts only where it ends in text of token ``min_tokens``
+        or later, as ``push`` checks it."""
+        params, tokenizer = self.params, self.engine.tokenizer
+        ids = gen.token_ids
+        if gen.stop_token_id is not None and params.include_stop_str_in_output:
+            ids = ids + [gen.stop_token_id]
+        min_end = 0
+        if params.stop and params.min_tokens > 1:  # characters before the min_tokens-th token
+            min_end = len(tokenizer.decode_complete(ids[: params.min_tokens - 1],
+                                                    skip_special_tokens=params.skip_special_tokens))
+        text, matched = final_text(tokenizer, ids, params.stop if gen.finish_reason == "stop" else (),
+                                   skip_special_tokens=params.skip_special_tokens,
+                                   include_stop_str_in_output=params.include_stop_str_in_output, min_end=min_end)
+        gen.text = text
+        if matched is not None:
+            gen.stop_reason = matched

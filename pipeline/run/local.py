@@ -1,0 +1,244 @@
+"""The local generation loop: a job's samples through one loaded model, one at a time or continuously batched."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from ..engine import BatchEngine, Request
+from ..engine.batch import check_kv_memory
+from ..errors import RowError
+from ..inputs import InputRow
+from ..jobspec import GenerationSpec, JobSpec
+from ..loader import LoadedModel, load_model
+from ..prompts import Prompt
+from ..results import Result
+from ..tokenizer import TokenizerError
+from .plan import Sample, failed_result, prepare_sample, row_prompt
+
+
+class GenerationError(RuntimeError):
+    """Generating a row raised something that is not a ``RowError`` (an error from MLX, a bug in a model's
+    forward pass): not a problem of that row's data, so the run stops (the CLI exits 1) instead of failing
+    every row after it. The rows committed before it stay; the next run resumes.
+
+    Attributes:
+        rows: ``(id, sample_index)`` of the rows being generated when it was raised: the one row, or in
+            batched mode every row started whose result had not come back, the newest first (a failed
+            prefill is the newest's; a failed decode step is all of theirs).
+        error: the exception as ``Type: message`` on one line (text, so that it pickles back from a Ray
+            actor whatever the exception was).
+        trace: its traceback, formatted (``traceback.format_exception``).
+        committed: rows committed in the output dir when the run stopped (``run.control.run_job`` sets it),
+            else None.
+        note: a further line (the run record could not be saved), else None.
+        summary: the ``run.control.RunSummary`` of the run it stopped (``run_job``), else None.
+    """
+
+    def __init__(self, rows: list[tuple], error: str, trace: str = "", committed: int | None = None,
+                 note: str | None = None):
+        super().__init__(rows, error, trace, committed, note)  # args: pickles (a Ray actor's error)
+        self.rows, self.error, self.trace, self.committed, self.note = list(rows), error, trace, committed, note
+        self.summary = None
+
+    @classmethod
+    def of(cls, e: BaseException, rows: Iterable[tuple]) -> GenerationError:
+        """``e``, raised while generating ``rows`` (``(id, sample_index)`` pairs)."""
+        text = " ".join(str(e).split())
+        return cls(list(rows), f"{type(e).__name__}: {text}" if text else type(e).__name__,
+                   "".join(traceback.format_exception(e)))
+
+    @property
+    def reason(self) -> str:
+        """``row 'a7' (sample 0) raised ValueError: ...``; batched: ``(sample 0; batched with 'a5', 'a6')``."""
+        (row, k), *others = self.rows or [("?", 0)]
+        also = ""
+        if others:
+            also = "; batched with " + ", ".join(repr(i) for i, _ in others[:5]) + (", ..." if len(others) > 5 else "")
+        return f"row {row!r} (sample {k}{also}) raised {self.error}"
+
+    def __str__(self) -> str:
+        text = self.reason
+        if self.committed is not None:
+            text += f"; {self.committed} row{'s' * (self.committed != 1)} committed, run again to resume"
+        return text + (f"\n{self.note}" if self.note else "")
+
+
+def sample_result(s: Sample, g, total_s: float, batch_size: int = 1) -> Result:
+    """The output row of a finished sample: ``g`` a ``Generation``, or the ``RowError`` the engine
+    raised for it (the row then fails with that message)."""
+    if isinstance(g, RowError):
+        return failed_result(s.row, s.index, s.seed, s.text, str(g), time.perf_counter() - total_s)
+    return Result(
+        id=s.row.id, sample_index=s.index, prompt=s.text, completion=g.text, finish_reason=g.finish_reason,
+        stop_reason=None if g.stop_reason is None else str(g.stop_reason), stop_token_id=g.stop_token_id,
+        prompt_tokens=g.prompt_tokens, completion_tokens=len(g.token_ids), ttft_s=g.ttft_s, prefill_tps=g.prefill_tps,
+        decode_tps=g.decode_tps, total_s=total_s, peak_memory_bytes=g.peak_memory_bytes,
+        compiled=g.compiled, seed=s.seed, error=None, logprobs=g.logprobs, top_token_ids=g.top_token_ids,
+        top_logprobs=g.top_logprobs, batch_size=batch_size,
+    )
+
+
+def generate_row(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int = 0,
+                 gen: GenerationSpec | str | None = None, prompt: Prompt | RowError | None = None) -> Result:
+    """Generate one sample of one row alone (sequential mode); failures become a ``Result`` with
+    ``error`` set. Arguments as ``prepare_sample``."""
+    t0 = time.perf_counter()
+    s = prepare_sample(lm, job, row, sample_index, gen, prompt)
+    if s.failed is not None:
+        return s.failed
+    try:
+        g = lm.engine.generate(s.ids, s.params)
+    except RowError as e:
+        g = e
+    return sample_result(s, g, time.perf_counter() - t0)
+
+
+def load_job_model(job: JobSpec, path: Path) -> LoadedModel:
+    """The job's model from its resolved ``path``, with the job's engine and cache settings (in this
+    process, or in a Ray actor).
+
+    Raises:
+        GGUFError, ModelDirError, ConfigError, WeightsError: the model cannot be loaded.
+        TokenizerError: ``input.apply_chat_template`` and the model has no chat template.
+    """
+    lm = load_model(job.model, dtype=job.engine.dtype, dequantize=job.engine.dequantize,
+                    prefill_step_size=job.engine.prefill_step_size, cache_spec=job.cache,
+                    compile=job.engine.compile, path=path, batch_size=job.engine.batch_size,
+                    fused=job.engine.fused)
+    if job.input.apply_chat_template and not lm.tokenizer.chat_template:
+        raise TokenizerError(f"model {job.model!r} has no chat template; set input.apply_chat_template: false")
+    return lm
+
+
+def generate_samples(lm: LoadedModel, job: JobSpec, samples, record: Callable[[Result], None],
+                     stopping: Callable[[], bool] = lambda: False, *, planned=None, positions: int | None = None,
+                     warm_up: Callable[[BatchEngine | None], None] | None = None) -> int:
+    """Generate ``samples`` ((row, sample index, settings) triples, as ``plan_samples`` gives them) as a
+    job does, calling ``record`` with each ``Result``: one at a time in order, or with continuous batching
+    when ``engine.batch_size`` > 1 (``_run_batched``; rows then finish out of order). Once ``stopping()``
+    is true no new row starts. Returns the compiled closures a batch engine built (0 when sequential).
+
+    Args:
+        planned: every sample of the job (batched mode sizes its slots from all of them), or None when
+            ``positions`` is given.
+        positions: batched mode's slot capacity, ``batch_capacity(lm, job, planned)``, when computed
+            elsewhere (a Ray actor runs a slice of the job).
+        warm_up: called once before the first generation with the engine that will run it: None for
+            sequential decoding, the ``BatchEngine`` for batched (``LoadedModel.warm_up(batch)`` warms
+            exactly that path); not called when no sample reaches the engine.
+
+    Raises:
+        JobSpecError: batched mode's KV buffers would exceed ``engine.max_kv_memory_gb`` or the device's memory.
+        GenerationError: generating a row raised something that is not a ``RowError`` (a row's own problem
+            becomes its ``error`` column); the rows recorded before it are finished.
+    """
+    if lm.engine.path.name == "batched":
+        return _run_batched(lm, job, planned, samples, record, stopping, positions, warm_up)
+    prompt_of = (None, None)  # (row index, its Prompt or RowError): samples of a row share it
+    for row, k, gen in samples:
+        if stopping():
+            break
+        if warm_up is not None:
+            warm_up(None)
+            warm_up = None
+        try:
+            if prompt_of[0] != row.index:
+                prompt_of = (row.index, row_prompt(row, job, lm))
+            res = generate_row(lm, job, row, k, gen, prompt_of[1])
+        except Exception as e:  # not a RowError (generate_row keeps those): stop the run
+            raise GenerationError.of(e, [(row.id, k)]) from e
+        record(res)
+    return 0
+
+
+def _prepared(lm: LoadedModel, job: JobSpec, samples):
+    """``prepare_sample`` of each sample, lazily; the samples of a row share its built prompt.
+
+    Raises:
+        GenerationError: building a prompt raised something that is not a ``RowError``.
+    """
+    prompt_of = (None, None)  # (row index, its Prompt or RowError)
+    for row, k, gen in samples:
+        try:
+            if prompt_of[0] != row.index:
+                prompt_of = (row.index, row_prompt(row, job, lm))
+            s = prepare_sample(lm, job, row, k, gen, prompt_of[1])
+        except Exception as e:  # not a RowError (prepare_sample keeps those): stop the run
+            raise GenerationError.of(e, [(row.id, k)]) from e
+        yield s
+
+
+def _positions(lm: LoadedModel, s: Sample) -> int:
+    return min(len(s.ids) + s.params.max_tokens, lm.engine.context_length)
+
+
+def batch_capacity(lm: LoadedModel, job: JobSpec, planned) -> int:
+    """Batched mode's positions per slot for a job: the longest prompt + max_tokens of any sample in
+    ``planned`` (every sample of the job), at most the context; 0 if every sample fails."""
+    return max((_positions(lm, s) for s in _prepared(lm, job, planned) if s.failed is None), default=0)
+
+
+def _run_batched(lm: LoadedModel, job: JobSpec, planned, pending, record: Callable[[Result], None],
+                 stopping: Callable[[], bool], positions: int | None = None, warm_up=None) -> int:
+    """Generate ``pending`` samples with continuous batching (``engine.batch_size`` slots), calling
+    ``record`` with each result as it finishes (rows come out of input order). Returns the compiled
+    closures the batch engine built.
+
+    Every prompt of the job (``planned``, committed rows included) is built first, unless ``positions``
+    is given: the longest prompt + max_tokens sets the slots' capacity (``batch_capacity``), so every
+    run of a job, resumed or not, decodes with the same step shape (B slots x capacity), and a row's
+    tokens do not depend on which rows are still pending. The KV memory is checked
+    (``batch.check_kv_memory``) before any generation. Once ``stopping()`` is true no new row starts;
+    the rows in flight finish.
+
+    Raises:
+        JobSpecError: the KV buffers would exceed ``engine.max_kv_memory_gb`` or the device's memory.
+        GenerationError: building a prompt or the engine raised something that is not a ``RowError``.
+    """
+    todo = {(row.id, k) for row, k, _ in pending}
+    samples, failed, seen = [], [], 0
+    for s in _prepared(lm, job, pending if positions is not None else planned):
+        if s.failed is None:
+            seen = max(seen, _positions(lm, s))
+        if (s.row.id, s.index) in todo:
+            (samples if s.failed is None else failed).append(s)
+    positions = seen if positions is None else positions
+    engine = None
+    if samples:
+        engine = BatchEngine(lm.engine, job.engine.batch_size, positions)
+        check_kv_memory(engine, job.engine.max_kv_memory_gb)
+    for s in failed:
+        record(s.failed)
+    if engine is None:
+        return 0
+    if warm_up is not None:
+        warm_up(engine)
+
+    started, done = [], set()
+
+    def requests():
+        for i, s in enumerate(samples):
+            if stopping():
+                return
+            started.append(i)
+            yield Request(i, s.ids, s.params)
+
+    for i, g in _guarded(engine.run(requests()), lambda: [(samples[j].row.id, samples[j].index)
+                                                          for j in reversed(started) if j not in done]):
+        done.add(i)
+        s = samples[i]
+        record(sample_result(s, g, s.prep_s + (g.total_s if not isinstance(g, RowError) else 0.0),
+                             engine.B))
+    return engine.closure_count
+
+
+def _guarded(results: Iterator, in_flight: Callable[[], list[tuple]]) -> Iterator:
+    """``results`` (a ``BatchEngine.run``), with what it raises (the engine yields a row's ``RowError``,
+    never raises it) as a ``GenerationError`` naming ``in_flight()``, the rows in flight then."""
+    try:
+        yield from results
+    except Exception as e:
+        raise GenerationError.of(e, in_flight()) from e

@@ -1,0 +1,232 @@
+"""Planning a job: its fingerprint, its input state, the samples it produces and each sample's prompt and settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from .. import __version__, outdir, shards
+from ..engine import GenerateParams
+from ..engine.sampler import row_seed
+from ..errors import RowError
+from ..inputs import InputRow, input_files
+from ..jobspec import GenerationSpec, JobSpec, JobSpecError, with_overrides
+from ..loader import LoadedModel, model_identity
+from ..prompts import Prompt, build_prompt
+from ..resolve import resolve_model
+from ..results import Result, schema_digest
+from ..shards import read_manifest
+
+# The digest (``results.schema_digest``) of the shard schema of every output dir written before the
+# fingerprint held one (pipeline 0.2.0): a fingerprint without ``schema`` means this schema.
+UNRECORDED_SCHEMA = "11a1bbae2b2944ff4fd7ae4b00cc7baf1cdfe7be0cc7483f17da5f92aa68793f"
+
+def fingerprint(job: JobSpec, model_id: dict) -> dict:
+    """What determines a job's outputs; resuming with a different fingerprint is refused.
+
+    The model's content hash covers its tokenizer and chat template (GGUF metadata, or the hashed
+    tokenizer files of a model directory). Package versions are included because kernels and
+    tokenization may change between versions. ``engine.batch_size`` is included (batched decoding runs
+    other matmul shapes, so a token may differ at a near-tie); ``engine.max_kv_memory_gb`` is not, nor
+    ``engine.fused`` when "auto" (the default: fingerprints of jobs written before it existed hold). The
+    input files are not: rows added later are processed
+    by the next run (see ``input_state``).
+
+    ``schema`` is the shard schema's digest (``results.schema_digest``: column names, types and
+    nullability, the input-dependent ``id`` type left out), so a changed column refuses output dirs
+    written with the old one, with no version to bump; left out while it is ``UNRECORDED_SCHEMA``, the
+    schema of every output dir written before it existed (their fingerprints hold).
+    """
+    inp = job.input
+    fp = {
+        "model": model_id,
+        "versions": {"pipeline": __version__, "mlx": mx.__version__, "tokenizers": _version("tokenizers")},
+        "prompt": {
+            "id_column": inp.id_column,
+            "prompt_column": inp.prompt_column,
+            "messages_column": inp.messages_column,
+            "system_prompt": inp.system_prompt,
+            "apply_chat_template": inp.apply_chat_template,
+            "parse_special_tokens": inp.parse_special_tokens,
+            "row_overrides": inp.row_overrides,
+            "truncate": inp.truncate,
+            "template": inp.template,
+            "filter": None if inp.filter is None else [dataclasses.asdict(f) for f in inp.filter],
+            "shuffle_seed": inp.shuffle_seed,
+        },
+        "generation": job.generation.to_dict(),
+        "cache": dataclasses.asdict(job.cache),
+        "engine": {k: v for k, v in dataclasses.asdict(job.engine).items()
+                   if k != "max_kv_memory_gb" and not (k == "fused" and v == "auto")},
+    }
+    if (schema := schema_digest()) != UNRECORDED_SCHEMA:
+        fp["schema"] = schema
+    return fp
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def input_state(job: JobSpec) -> list[dict]:
+    """Path, size (bytes) and mtime (ns) of each input file, recorded in the manifest to report changes
+    (a hub dataset: its name, config, split and revision)."""
+    if job.input.dataset is not None:
+        return [dataclasses.asdict(job.input.dataset)]
+    return [{"path": str(f), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
+            for f in input_files(job.input.path)]
+
+
+def job_fingerprint(job: JobSpec) -> dict:
+    """``fingerprint`` with the model resolved (resolving may download a model not yet cached)."""
+    return fingerprint(job, model_identity(job.model, resolve_model(job.model)))
+
+
+def check_output_dir(job: JobSpec, output_dir: str | None = None) -> dict | None:
+    """Check without writing that the job's output dir is new, empty, or holds this job's results
+    (for ``pipeline validate``), and that each committed shard is there with its recorded size and an
+    intact Parquet footer (``shards.check_shards``; no hashing). First, that no run holds its lock
+    (``outdir.check_not_in_use``) and that it can be written (``outdir.check_writable``: a test file created
+    and removed in it, or in its nearest existing parent).
+
+    Returns:
+        The output dir's manifest, or None when it has none (new or empty).
+
+    Raises:
+        OutputError: the dir is in use by a run, or not writable; naming the fingerprint fields that differ,
+            or foreign files; or the committed shards that are missing or damaged, one line each.
+        DiskFullError: not even the test file fits.
+    """
+    out_dir = Path(output_dir or job.output.dir)
+    outdir.check_not_in_use(out_dir)
+    outdir.check_writable(out_dir)
+    if read_manifest(out_dir) is None:
+        shards.check_output_dir(out_dir, {})
+        return None
+    manifest = shards.check_output_dir(out_dir, job_fingerprint(job))
+    shards.check_shards(out_dir, manifest["shards"], footer=True).raise_bad()
+    return manifest
+
+
+def generate_params(gen: GenerationSpec, seed: int) -> GenerateParams:
+    """The engine's settings for one sample of a row whose settings are ``gen``: ``gen`` itself (a
+    ``GenerationSpec`` is a ``GenerateParams``) with the sample's own ``seed``."""
+    return dataclasses.replace(gen, seed=seed)
+
+
+def row_generation(job: JobSpec, row: InputRow) -> GenerationSpec | str:
+    """The row's generation settings (the job's, with the row's override columns), or why they are
+    invalid (the row then fails with that error)."""
+    try:
+        return with_overrides(job.generation, row.overrides)
+    except JobSpecError as e:
+        return str(e)
+
+
+def fit_context(ids: list[int], lm: LoadedModel, policy: str) -> list[int]:
+    """``ids`` cut to leave room for at least one generated token, per ``input.truncate``: "left" drops
+    the first tokens (a leading BOS stays), "right" the last.
+
+    Raises:
+        RowError: the prompt does not fit and the policy is "error".
+    """
+    room = lm.engine.context_length - 1
+    if len(ids) <= room:
+        return ids
+    if policy == "error":
+        raise RowError(f"prompt has {len(ids)} tokens; the model's context is {lm.engine.context_length} "
+                       "(input.truncate: left or right cuts it to fit)")
+    if policy == "right":
+        return ids[:room]
+    keep = ids[:1] if ids[0] == lm.tokenizer.bos_token_id else []
+    return keep + ids[len(ids) - (room - len(keep)):]
+
+
+def failed_result(row: InputRow, sample_index: int, seed: int, text: str | None, error: str, t0: float) -> Result:
+    """The output row of a sample that failed with ``error`` (the ``error`` column's text); ``t0`` is when it
+    started (``time.perf_counter()``), so ``total_s`` counts the seconds since."""
+    return Result(id=row.id, sample_index=sample_index, prompt=text, completion=None, finish_reason=None,
+                  stop_reason=None, stop_token_id=None, prompt_tokens=None, completion_tokens=None, ttft_s=None,
+                  prefill_tps=None, decode_tps=None, total_s=time.perf_counter() - t0, peak_memory_bytes=None,
+                  compiled=None, seed=seed, error=error)
+
+
+@dataclass
+class Sample:
+    """One sample of one row, ready for the engine (or already failed).
+
+    Attributes:
+        row, index: the input row and the sample index.
+        seed: the sample's sampling seed (``sampler.row_seed``).
+        text: the prompt text reported in the ``prompt`` column.
+        ids: prompt token ids, cut to the context per ``input.truncate`` (None if failed).
+        params: the engine's settings (None if failed).
+        failed: the failed ``Result`` when the row cannot be generated (bad overrides, bad prompt).
+        prep_s: seconds spent building the prompt (added to the row's ``total_s``).
+    """
+
+    row: InputRow
+    index: int
+    seed: int
+    text: str | None
+    ids: list[int] | None = None
+    params: GenerateParams | None = None
+    failed: Result | None = None
+    prep_s: float = 0.0
+
+
+def prepare_sample(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int = 0,
+                   gen: GenerationSpec | str | None = None, prompt: Prompt | RowError | None = None) -> Sample:
+    """Settings, seed and prompt ids of one sample; a ``Sample`` with ``failed`` set when the row's
+    overrides or prompt are invalid.
+
+    Args:
+        gen: the row's settings from ``row_generation`` (computed when None).
+        prompt: the row's built prompt, or the ``RowError`` building it raised (built when None), so
+            the samples of one row share it.
+    """
+    t0 = time.perf_counter()
+    gen = row_generation(job, row) if gen is None else gen
+    seed = row_seed(job.generation.seed if isinstance(gen, str) else gen.seed, row.id, sample_index)
+    s = Sample(row, sample_index, seed, row.prompt if row.messages is None else None)
+    if isinstance(gen, str):
+        s.failed = failed_result(row, sample_index, seed, s.text, gen, t0)
+        return s
+    try:
+        prompt = row_prompt(row, job, lm) if prompt is None else prompt
+        if isinstance(prompt, RowError):
+            raise prompt
+        s.text = prompt.text
+        s.ids = fit_context(prompt.token_ids, lm, job.input.truncate)
+        s.params = generate_params(gen, seed)
+    except RowError as e:
+        s.failed = failed_result(row, sample_index, seed, s.text, str(e), t0)
+    s.prep_s = time.perf_counter() - t0
+    return s
+
+
+def plan_samples(job: JobSpec, rows: list[InputRow]) -> list[tuple[InputRow, int, GenerationSpec | str]]:
+    """Every (row, sample index, settings) the job produces, in input order: ``n`` samples per row
+    (the row's own ``n`` override if valid; 1 for a row whose overrides are invalid)."""
+    out = []
+    for row in rows:
+        gen = row_generation(job, row)
+        out += [(row, k, gen) for k in range(1 if isinstance(gen, str) else gen.n)]
+    return out
+
+
+def row_prompt(row: InputRow, job: JobSpec, lm: LoadedModel) -> Prompt | RowError:
+    """The row's built prompt (``prompts.build_prompt``), or the ``RowError`` that says why it has none (an
+    input problem of the row, or one building it raised); the samples of a row share it."""
+    if row.error is not None:
+        return RowError(row.error)
+    try:
+        return build_prompt(row, job.input, lm.tokenizer)
+    except RowError as e:
+        return e
