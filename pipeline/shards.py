@@ -457,7 +457,8 @@ class ShardStore:
             manifest = {"format": FORMAT_VERSION, "fingerprint": fingerprint, "shards": [], "rows": 0}
         if not manifest["shards"]:
             manifest["fingerprint"] = fingerprint  # nothing committed that other settings could contradict
-        manifest.setdefault("next_shard", len(manifest["shards"]))
+        used = [int(m.group(1)) + 1 for e in manifest["shards"] if (m := _SHARD_NAME.fullmatch(e["file"]))]
+        manifest["next_shard"] = max([manifest.get("next_shard", len(manifest["shards"])), *used])  # once; commits keep it
         self.manifest = manifest
         self.fingerprint = fingerprint
         runs = manifest.get("runs", [])
@@ -698,7 +699,8 @@ class ShardStore:
         shards += entries
         self.manifest["shards"] = shards
         self.manifest["rows"] = sum(s["rows"] for s in shards)
-        used = [int(m.group(1)) for s in shards if (m := _SHARD_NAME.fullmatch(s["file"]))]
+        added = entries + [e for e in rewritten.values() if e is not None]  # the earlier ones are in next_shard
+        used = [int(m.group(1)) for s in added if (m := _SHARD_NAME.fullmatch(s["file"]))]
         self.manifest["next_shard"] = max([self.manifest.get("next_shard", 0), *(u + 1 for u in used)])
         try:
             self._write_manifest()
