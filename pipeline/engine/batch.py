@@ -33,7 +33,7 @@ from .params import Generation
 from .request import Decoding, Request
 from .sampler import SamplerKind, sample_step
 from .sequential import Engine
-from .views import BatchView, _stored_slots, layer_capacity, layer_kind, position_bytes
+from .views import BatchView, stored_slots, layer_capacity, layer_kind, position_bytes
 
 
 def _is_plain_greedy(kind: SamplerKind) -> bool:
@@ -165,7 +165,7 @@ class BatchEngine:
     def _load_slot(self, b: int) -> None:
         """Copy the batch-1 caches (just prefilled) into slot ``b``; the rest of the slot becomes zeros."""
         for i, (kind, start, c) in enumerate(zip(self.kinds, self.starts, self.engine.cache)):
-            n = _stored_slots(c)
+            n = stored_slots(c)
             for j, src in enumerate((c.keys, c.values)):
                 dst = self.buffers[2 * i + j]
                 if not kind.quantized:

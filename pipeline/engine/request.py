@@ -74,7 +74,7 @@ class Decoding:
             raise RowError(f"prompt of {n_prompt} tokens + max_tokens {self.max_tokens} exceeds the batch "
                            f"capacity of {capacity} positions")
         if engine.max_kv_size is not None and n_prompt > engine.max_kv_size:
-            engine._note(f"a prompt of {n_prompt} tokens is longer than cache.max_kv_size {engine.max_kv_size}: "
+            engine.note(f"a prompt of {n_prompt} tokens is longer than cache.max_kv_size {engine.max_kv_size}: "
                          "its first tokens (the system turn, say) are out of the attention window", "window")
         self.engine, self.prompt_ids, self.params, self.tag = engine, prompt_ids, params, tag
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else engine.eos_token_ids)

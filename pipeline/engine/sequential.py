@@ -70,7 +70,7 @@ class Engine:
         self._quiet = False
         self.tokens_generated = 0
         if self.path.note:
-            self._note(self.path.note)
+            self.note(self.path.note)
 
     @property
     def closure_count(self) -> int:
@@ -115,7 +115,7 @@ class Engine:
         finally:
             self._quiet = was
 
-    def _note(self, reason: str, kind: str = "eager") -> None:
+    def note(self, reason: str, kind: str = "eager") -> None:
         """Log ``reason`` once per engine (``kind`` "eager": why decode runs uncompiled; one
         "window" warning per engine); nothing inside ``quiet``."""
         tag = reason if kind == "eager" else kind
@@ -131,7 +131,7 @@ class Engine:
         kinds = tuple(layer_kind(c, cap) for c, cap in zip(self.cache, caps))
         reason = request_blocker(self.cache, self.closures.broken, (kinds, kind))
         if reason:  # shown here too: a failure to trace may have been met inside quiet()
-            self._note(reason)
+            self.note(reason)
             return None
         for c, cap in zip(self.cache, caps):
             c.reserve(cap)
@@ -211,7 +211,7 @@ class Engine:
                     mx.async_eval(probe[0], *probe[1])
                 except Exception as e:  # a graph the compiler cannot express: never retry this key
                     self.closures.broken[closure_key] = f"{type(e).__name__}: {e}"
-                    self._note(f"compiled step failed ({self.closures.broken[closure_key]})")
+                    self.note(f"compiled step failed ({self.closures.broken[closure_key]})")
                     finish_compiled, probe = None, None
                 else:
                     advance = step

@@ -160,7 +160,7 @@ class BatchView:
         return pick(self.keys), pick(self.values)
 
 
-def _stored_slots(cache) -> int:
+def stored_slots(cache) -> int:
     """Slots of a batch-1 cache holding positions after prefill (a ring holds at most its window)."""
     return cache.offset if cache.max_size is None else min(cache.offset, cache.max_size)
 
