@@ -450,7 +450,7 @@ class ShardStore:
 
     def __init__(self, out_dir: str | Path, fingerprint: dict, *, force: bool = False, redo_corrupt: bool = False):
         self.dir = Path(out_dir)
-        self._keys: dict[str, tuple[list[tuple], list[tuple]]] = {}  # shard file -> _key_lists
+        self._failed: dict[str, list[tuple]] = {}  # shard file -> the keys of its failed rows
         manifest = check_output_dir(self.dir, fingerprint, force=force)
         self.dir.mkdir(parents=True, exist_ok=True)
         if manifest is None:
@@ -589,20 +589,23 @@ class ShardStore:
         return read_committed(self.dir, self.manifest, columns)
 
     def committed_keys(self) -> set[tuple]:
-        """``(id, sample_index)`` of every committed row."""
-        return {key for e in self.manifest["shards"] for key in self._shard_keys(e)[0]}
+        """``(id, sample_index)`` of every committed row (read from the shards; their failed keys are kept)."""
+        keys = set()
+        for e in self.manifest["shards"]:
+            shard_keys, self._failed[e["file"]] = _key_lists(read_shard(self.dir, e, ["id", "sample_index", "error"]))
+            keys.update(shard_keys)
+        return keys
 
     def failed_keys(self) -> set[tuple]:
-        """``(id, sample_index)`` of committed rows whose ``error`` is set."""
-        return {key for e in self.manifest["shards"] for key in self._shard_keys(e)[1]}
-
-    def _shard_keys(self, entry: dict) -> tuple[list[tuple], list[tuple]]:
-        """``(keys, failed keys)`` of one committed shard: read once per shard file and kept (a file's rows
-        never change; a rewritten shard is a new file), so a resume of 100,000 rows reads each key once."""
-        got = self._keys.get(entry["file"])
-        if got is None:
-            got = self._keys[entry["file"]] = _key_lists(read_shard(self.dir, entry, ["id", "sample_index", "error"]))
-        return got
+        """``(id, sample_index)`` of committed rows whose ``error`` is set. A shard's failed keys are read
+        once and kept (a file's rows never change; a rewritten shard is a new file; a commit gives its own),
+        so the end of a 100,000-row run reads no shard again."""
+        out = set()
+        for e in self.manifest["shards"]:
+            if e["file"] not in self._failed:
+                self._failed[e["file"]] = _key_lists(read_shard(self.dir, e, ["id", "sample_index", "error"]))[1]
+            out.update(self._failed[e["file"]])
+        return out
 
     def next_name(self) -> str:
         """A shard file name never used in this directory's manifest (reserved when committed)."""
@@ -619,7 +622,7 @@ class ShardStore:
         except DiskFullError:
             (self.dir / entry["file"]).unlink(missing_ok=True)  # not committed: give its space back
             raise
-        self._keys[entry["file"]] = _key_lists(table)
+        self._failed[entry["file"]] = _key_lists(table)[1]
         return entry["file"]
 
     def commit_written(self, entry: dict, replaces: set[tuple] = frozenset()) -> None:
