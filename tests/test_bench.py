@@ -59,7 +59,10 @@ def test_json_structure(cli_doc):
         assert r["kv_read_bytes"] > 0
         assert math.isclose(r["bandwidth_gbps"],
                             (r["weight_read_bytes"] + r["kv_read_bytes"]) * r["median"]["decode_tps"] / 1e9)
-        line = next(line for line in output.splitlines() if line.split()[:3] == [r["impl"], r["variant"], "full"])
+        # the variant's cell may say how it ran: "compiled(fell back: eager)" where MLX cannot compile here
+        line = next(line for line in output.splitlines()
+                    if line.split()[:1] == [r["impl"]] and line.split()[1].split("(")[0] == r["variant"]
+                    and " full " in line)
         assert f"{r['median']['decode_tps']:.1f}" in line
 
 
