@@ -215,11 +215,11 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
         ModelResolveError, GGUFError, ModelDirError, TokenizerError, ConfigError, WeightsError: one line
         naming the file and the key or tensor at fault.
     """
-    if mx.default_device() == mx.cpu:
-        _blas.warn_if_slow()
-        warn_if_no_cpu_compile()
     path = path or resolve_model(spec)
     g = read_model_dir(path) if path.is_dir() else read_gguf(path)
+    if mx.default_device() == mx.cpu:  # after the model's files are read: a bad spec is one error line alone
+        _blas.warn_if_slow()
+        warn_if_no_cpu_compile()
     dt = compute_dtype(dtype)
     model = _build(path, g.config, g.weights, dt)
     if fuse:

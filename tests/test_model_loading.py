@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from pipeline import load_model
 from pipeline.describe import describe_model, format_description
+from tiny_model import without_machine_warnings
 from pipeline.engine import GenerateParams
 from pipeline.inputs import InputRow
 from pipeline.jobspec import InputSpec
@@ -206,7 +207,7 @@ def test_cli_error_is_one_line(tmp_path, weights):
     d = make_dir(tmp_path / "m", {k: v for k, v in weights.items() if k != "model.norm.weight"})
     proc = subprocess.run(["pipeline", "inspect", str(d)], capture_output=True, text=True)
     assert proc.returncode == 1
-    lines = proc.stderr.strip().splitlines()
+    lines = without_machine_warnings(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and "model.norm.weight" in lines[0], proc.stderr
 
 
@@ -304,5 +305,5 @@ def test_inspect_default_model(default_model_path):
 def test_inspect_missing_path(tmp_path):
     proc = subprocess.run(["pipeline", "inspect", str(tmp_path / "nope")], capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
+    lines = without_machine_warnings(proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0]

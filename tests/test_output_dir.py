@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from tiny_model import wait_until, write_prompts, write_tiny_model
+from tiny_model import without_machine_warnings, wait_until, write_prompts, write_tiny_model
 
 from pipeline import outdir
 from pipeline.shards import DiskFullError, OutputError, ShardStore
@@ -330,7 +330,8 @@ def test_disk_full_while_writing_a_shard_stops_cleanly_and_resumes(tiny_model, p
     proc = pipeline("run", job, "--no-progress")
     assert proc.returncode == 1, proc.stderr[-3000:]
     m = re.fullmatch(rf"error: output\.dir '{re.escape(str(out))}': no space left on device while writing "
-                     r"(part-\d{5}\.parquet); (\d+) rows committed, resume after freeing space\n", proc.stderr)
+                     r"(part-\d{5}\.parquet); (\d+) rows committed, resume after freeing space",
+                     "\n".join(without_machine_warnings(proc.stderr)))
     assert m, proc.stderr
     file, n = m.group(1), int(m.group(2))
     assert (file, n) == ("part-00002.parquet", 16) and rows_committed(out) == n
