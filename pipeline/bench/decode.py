@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from ..engine import Engine, GenerateParams
+from ..errors import RowError
 from ..engine.cuda import fused_blocker
 from ..loader import compute_dtype
 from .peer import _peer_generate, load_peer, peer_windows
@@ -83,7 +84,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                 engine = Engine(ours, eos_token_ids=[], context_length=context, prefill_step_size=prefill_step_size,
                                 compile=variant == "compiled", fused="auto" if variant == "fused" else False,
                                 cache_spec=_cache_spec(kind))
-            except (ValueError, NotImplementedError) as e:
+            except (ValueError, NotImplementedError, RowError) as e:
                 skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"], "reason": str(e)})
                 continue
             if variant == "fused" and engine.fused is None:
@@ -96,7 +97,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                 try:
                     row.update(_time_row(lambda: _gen_record(engine.generate(prompts[n], params)), trials,
                                          after_warmup=lambda: engine.trace_count))
-                except (ValueError, NotImplementedError) as e:
+                except (ValueError, NotImplementedError, RowError) as e:
                     skipped.append({**row, "reason": f"{type(e).__name__}: {e}"})
                     continue
                 row["compiled"] = row["trials"][-1]["compiled"]
@@ -131,7 +132,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                 try:
                     row.update(_time_row(lambda: _peer_generate(ref, prompts[n], max_tokens, kind, prefill_step_size),
                                          trials))
-                except (ValueError, NotImplementedError) as e:
+                except (ValueError, NotImplementedError, RowError) as e:
                     skipped.append({**row, "reason": f"mlx-lm: {type(e).__name__}: {e}"})
                     continue
                 del row["after_warmup"]

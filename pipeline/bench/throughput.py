@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..engine import BatchEngine, Engine, GenerateParams, Request
+from ..errors import RowError
 from ..loader import compute_dtype
 from .peer import _peer_batch, load_peer
 from .settings import BenchError, _cache_spec, _check_context, parse_cache_kind
@@ -128,7 +129,7 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
                 engines[kind["name"], variant] = Engine(
                     ours, eos_token_ids=[], context_length=context, prefill_step_size=prefill_step_size,
                     compile=compile_setting, cache_spec=_cache_spec(kind))
-            except (ValueError, NotImplementedError) as e:
+            except (ValueError, NotImplementedError, RowError) as e:
                 skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"], "reason": str(e)})
                 continue
         if any(k[0] == kind["name"] for k in engines):
@@ -167,7 +168,7 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
                     try:
                         timed = _time_job(lambda p, n: _ours_sequential(engine, p, params(n)), ps, min(len(ps), 2),
                                           max_tokens, max_tokens, trials, probe=lambda: engine.trace_count)
-                    except (ValueError, NotImplementedError) as e:
+                    except (ValueError, NotImplementedError, RowError) as e:
                         skipped.append({**row, "reason": f"{type(e).__name__}: {e}"})
                     else:
                         add(row, timed)
@@ -177,7 +178,7 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
                     be = BatchEngine(engine, b, prompt_tokens + max_tokens)
                     timed = _time_job(lambda p, n: _ours_batch(be, p, params(n)), ps, min(len(ps), b + 1),
                                       warmup_tokens, max_tokens, trials, probe=lambda: be.trace_count)
-                except (ValueError, NotImplementedError) as e:
+                except (ValueError, NotImplementedError, RowError) as e:
                     skipped.append({**row, "reason": f"{type(e).__name__}: {e}"})
                 else:
                     add(row, timed)
