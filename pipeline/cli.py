@@ -350,24 +350,35 @@ def _int_list(ctx, param, value):
                    "[default: eager,compiled]; with --batch-size: "
                    "the engine's compile setting, auto, eager, compiled [default: auto].")
 @click.option("--dequantize/--no-dequantize", default=None,
-              help="Expand quantized weights (default: load_model's auto rule); --no-dequantize runs the same "
-                   "quantized kernels as mlx-lm.")
+              help="Expand quantized weights (default: load_model's auto rule). mlx-lm gets the same format: "
+                   "dense weights of the same dtype when ours are expanded, the quantized ones when not.")
 @click.option("--no-peer", is_flag=True, help="Skip mlx-lm (generate_step; with --batch-size: batch_generate).")
 @click.option("--batch-size", "batch_sizes", default=None,
               callback=lambda ctx, param, value: None if value is None else _int_list(ctx, param, value),
               help="Job throughput mode: batch sizes, comma-separated (e.g. 1,8,32,64,128): --prompts prompts of the "
                    "first --prompt-tokens length through the batching engine at each size (at 1 also the sequential "
                    "loop), with mlx-lm's batch_generate as the peer.")
-@click.option("--prompts", type=click.IntRange(min=1), default=256, show_default=True,
-              help="With --batch-size: distinct random prompts per run.")
+@click.option("--prompts", type=click.IntRange(min=1), default=None,
+              help="With --batch-size: distinct random prompts per run [default: 256]; with --prompts-file: its "
+                   "first N rows [default: all].")
 @click.option("--prompts-b1", type=click.IntRange(min=1), default=None,
               help="With --batch-size: prompts per run at batch size 1 (default: --prompts).")
+@click.option("--temperature", type=float, default=None,
+              help="With --batch-size: sampling temperature, ours and mlx-lm's (make_sampler) [default: 0, greedy].")
+@click.option("--top-p", type=float, default=None,
+              help="With --batch-size and --temperature: nucleus mass in (0, 1] [default: 1, off].")
+@click.option("--prompts-file", type=click.Path(dir_okay=False), default=None,
+              help="With --batch-size and a MODEL: real prompts, the rows of this Parquet (or .jsonl/.csv) file built "
+                   "as a job builds them (chat template), EOS ending a row, at most --max-tokens new tokens each.")
+@click.option("--prompt-column", default="prompt", show_default=True,
+              help="With --prompts-file: the column of user text (as input.prompt_column).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every row and trial as JSON.")
 def bench(model, random_shape, prompt_tokens, max_tokens, trials, caches, variants, dequantize, no_peer, batch_sizes,
-          prompts, prompts_b1, json_path):
+          prompts, prompts_b1, temperature, top_p, prompts_file, prompt_column, json_path):
     """Decode tok/s, prefill tok/s and TTFT of MODEL (or --random SHAPE): eager vs compiled, per cache kind and
     prompt length, with mlx-lm's generate_step on the same weights in the same run. With --batch-size: job
-    throughput (generated tokens / wall s) of batched decoding per batch size, with mlx-lm's batch_generate."""
+    throughput (generated tokens / wall s) of batched decoding per batch size, greedy or sampled, random prompts
+    or a prompts file, with mlx-lm's batch_generate."""
     from .bench import BenchError, run_bench
 
     if variants is None:
@@ -378,7 +389,8 @@ def bench(model, random_shape, prompt_tokens, max_tokens, trials, caches, varian
                   variants=[v.strip() for v in variants.split(",") if v.strip()],
                   dequantize="auto" if dequantize is None else dequantize, peer=not no_peer, json_path=json_path,
                   echo=click.echo, progress=lambda line: click.echo(line, err=True), batch_sizes=batch_sizes,
-                  prompts=prompts, prompts_b1=prompts_b1)
+                  prompts=prompts, prompts_b1=prompts_b1, temperature=temperature, top_p=top_p,
+                  prompts_file=prompts_file, prompt_column=prompt_column)
     except (BenchError, *USER_ERRORS) as e:
         _fail(e)
 

@@ -285,7 +285,11 @@ class EngineSpec:
             decoding): "auto" or true; false keeps the unfused step. Same model to rounding; "auto" is
             left out of the job fingerprint, so jobs written before the option existed resume.
         batch_size: rows decoded together (continuous batching, ``pipeline.engine.batch``); 1 decodes one row
-            at a time (the default: every row's tokens are exactly those of the model run alone).
+            at a time (the default: every row's tokens are exactly those of the model run alone); "auto": the
+            largest batch whose KV buffers fit (``engine.batch.check_kv_memory``'s limit) for the job's
+            longest prompt + max_tokens, at most ``run.local.AUTO_BATCH_GPU`` (256) on a GPU and
+            ``run.local.AUTO_BATCH_CPU`` (8) on the CPU (``run.local.auto_batch_size``); the fingerprint holds
+            "auto", the run record the size it resolved to.
         max_kv_memory_gb: refuse to start a batched job whose KV buffers (batch_size x capacity
             positions) would exceed this many gigabytes (10**9 bytes); None: the device's memory
             (``pipeline.engine.batch.memory_limit``) is the only limit. Not part of the job fingerprint.
@@ -296,7 +300,7 @@ class EngineSpec:
     prefill_step_size: int = 512
     compile: bool | str = "auto"
     fused: bool | str = "auto"
-    batch_size: int = 1
+    batch_size: int | str = 1
     max_kv_memory_gb: float | None = None
 
     def check(self):
@@ -312,8 +316,8 @@ class EngineSpec:
             bad.append(f"engine.fused must be true, false or auto, got {self.fused!r}")
         if self.prefill_step_size < 1:
             bad.append(f"engine.prefill_step_size must be >= 1, got {self.prefill_step_size}")
-        if self.batch_size < 1:
-            bad.append(f"engine.batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_size != "auto" and not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+            bad.append(f"engine.batch_size must be an integer >= 1 or auto, got {self.batch_size!r}")
         if self.max_kv_memory_gb is not None and not self.max_kv_memory_gb > 0:
             bad.append(f"engine.max_kv_memory_gb must be > 0, got {self.max_kv_memory_gb}")
         bad.raise_any()

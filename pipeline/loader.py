@@ -136,20 +136,22 @@ class LoadedModel:
         """Generate 3 tokens from an 8-token prompt on the path the job decodes on and return the wall
         seconds it took: the first use of a model compiles its kernels (MLX's CUDA backend: NVRTC, tens of
         seconds on an H200) and traces the decode step, which should not land in the first row's
-        statistics. With ``batch`` (the job's ``BatchEngine``) the prompt runs through it, so its batched
-        step is traced and its buffers allocated; else through ``engine.generate`` (the fused, compiled
+        statistics. With ``batch`` (the job's ``BatchEngine``) one prompt per prefill shape the job can
+        meet (``BatchEngine.warm_up_lengths``: every group-prefill bucket) runs through it, so those
+        shapes compile, its batched step is traced and its buffers allocated; else through ``engine.generate`` (the fused, compiled
         or eager step of ``engine.path``). The caches (and a batch's slot) are overwritten by the next
         generation, so nothing of it reaches later rows; it logs no warnings and leaves the
         once-per-engine ones (a prompt longer than ``cache.max_kv_size``, eager decoding) to the first
         row that meets them (``Engine.quiet``)."""
         t = time.perf_counter()
-        prompt = [self.tokenizer.bos_token_id or 0] + [min(i, self.model.args.vocab_size - 1) for i in range(1, 8)]
+        vocab = self.model.args.vocab_size
+        prompt = lambda n: [self.tokenizer.bos_token_id or 0] + [i % vocab for i in range(1, n)]  # noqa: E731
         params = GenerateParams(max_tokens=3, ignore_eos=True)
         with self.engine.quiet():
             if batch is None:
-                self.engine.generate(prompt, params)
+                self.engine.generate(prompt(8), params)
             else:
-                for _ in batch.run([Request("warm-up", prompt, params)]):
+                for _ in batch.run([Request(("warm-up", n), prompt(n), params) for n in batch.warm_up_lengths()]):
                     pass
         return time.perf_counter() - t
 

@@ -1,6 +1,7 @@
 """``engine.batch_size`` through the full ``pipeline run`` path: batched vs sequential on the real default
 model (same rows, same schema, greedy completions equal at the measured rate), sampled runs independent of
-the batch size, and the KV memory check refusing a batch that does not fit before anything is written."""
+the batch size, the KV memory check refusing a batch that does not fit before anything is written, and
+``batch_size: auto`` resolving to what fits (tiny random model)."""
 
 import pyarrow.parquet as pq
 import pytest
@@ -8,7 +9,11 @@ import yaml
 
 from conftest import ROOT  # noqa: F401
 from test_job_end_to_end import SAMPLES, read_output, run_cli
-from tiny_model import without_machine_warnings, write_tiny_model
+from tiny_model import without_machine_warnings, write_prompts, write_tiny_model
+
+from pipeline.errors import JobSpecError
+from pipeline.jobspec import job_from_dict
+from pipeline.run import run_job
 
 LIMIT, MAX_TOKENS = 8, 16
 # Measured 2026-11-29 on the CPU (x86_64, mlx 0.32.4): 12 of 12 greedy completions of the default model
@@ -93,3 +98,70 @@ def test_kv_memory_check_refuses_before_writing(tmp_path):
     job = job_file(tmp_path, "out", batch_size=fits, model=model, limit=4, engine={"max_kv_memory_gb": 0.0005})
     run_cli("run", str(job), "--no-progress")
     assert len(rows_of(tmp_path / "out")) == 4
+
+
+# --- engine.batch_size: auto (tiny random model, in-process) ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_inputs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("auto")
+    return write_tiny_model(tmp / "tiny"), write_prompts(tmp / "in.parquet", 10)
+
+
+def tiny_job(tiny_inputs, out, **engine):
+    model, data = tiny_inputs
+    return job_from_dict({"model": str(model), "input": {"path": str(data), "id_column": "id"},
+                          "generation": {"max_tokens": 4}, "engine": engine,
+                          "output": {"dir": str(out), "shard_size": 4}})
+
+
+def test_batch_size_auto_resolves_logs_and_records(tiny_inputs, tmp_path, capsys):
+    """auto: the KV of many slots fits, so it resolves to the device's cap (8 on the CPU, 256 on a GPU); the
+    size is logged, recorded in the run record and the rows, and the fingerprint keeps "auto"."""
+    import json
+
+    from pipeline.run.local import auto_batch_cap
+
+    summary = run_job(tiny_job(tiny_inputs, tmp_path / "out", batch_size="auto"), echo=lambda _m: None)
+    cap = auto_batch_cap()
+    assert summary.rows_written == 10 and summary.batch_size == cap
+    assert f"batch size {cap}," in summary.line()
+    assert f"engine.batch_size auto: {cap} (" in capsys.readouterr().err
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["runs"][-1]["batch_size"] == cap and manifest["fingerprint"]["engine"]["batch_size"] == "auto"
+    assert set(read_output(tmp_path / "out").column("batch_size").to_pylist()) == {cap}
+
+
+def test_batch_size_auto_takes_what_the_memory_limit_allows(tiny_inputs, tmp_path):
+    """Under engine.max_kv_memory_gb, auto is exactly the largest batch_size the KV check's refusal names; with
+    room for no slot at all it is refused as a fixed size is, before any row is written."""
+    with pytest.raises(JobSpecError) as e:
+        run_job(tiny_job(tiny_inputs, tmp_path / "fixed", batch_size=8, max_kv_memory_gb=0.0005), progress=False,
+                echo=lambda _m: None)
+    fits = int(str(e.value).rsplit("use engine.batch_size <= ", 1)[1].split(",")[0])
+    assert 1 <= fits < 8
+    summary = run_job(tiny_job(tiny_inputs, tmp_path / "auto", batch_size="auto", max_kv_memory_gb=0.0005),
+                      progress=False, echo=lambda _m: None)
+    assert summary.batch_size == fits and summary.rows_written == 10
+    with pytest.raises(JobSpecError, match="no batch of this capacity fits"):
+        run_job(tiny_job(tiny_inputs, tmp_path / "none", batch_size="auto", max_kv_memory_gb=1e-9), progress=False,
+                echo=lambda _m: None)
+    assert not list((tmp_path / "none").glob("part-*.parquet"))
+
+
+def test_auto_batch_size_is_the_fit_capped(tiny_inputs, monkeypatch):
+    from pipeline import load_model
+    from pipeline.engine import BatchEngine
+    from pipeline.run import local
+
+    lm = load_model(path=tiny_inputs[0], batch_size=2)
+    per_slot = BatchEngine(lm.engine, 1, 100).slot_bytes()
+    for limit, want in ((3 * per_slot + 5, 3), (10**15, local.auto_batch_cap()), (0, 1)):
+        monkeypatch.setattr(local, "memory_limit", lambda limit=limit: (limit, "the test's memory"))
+        b, why = local.auto_batch_size(lm.engine, 100, None)
+        assert b == want and why.startswith(f"{max(limit // per_slot, 0)} slots for up to 100 positions fit in the "
+                                            "test's memory")
+    monkeypatch.setattr(local, "memory_limit", lambda: (10**15, "the test's memory"))
+    b, why = local.auto_batch_size(lm.engine, 100, (2 * per_slot + 5) / 1e9)  # max_kv_memory_gb below the device's
+    assert b == 2 and "engine.max_kv_memory_gb" in why

@@ -15,9 +15,13 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from pipeline import bench
 from pipeline.cli import main
-from pipeline.engine import Engine
+from pipeline.engine import BatchEngine, Engine
+from pipeline.engine.sampler import row_seed
 from pipeline.models import FAMILIES, build_model
 
 HAVE_MLX_LM = importlib.util.find_spec("mlx_lm") is not None
@@ -227,8 +231,13 @@ def test_batch_mode_structure(batch_doc):
         assert r["median"]["job_tps"] == statistics.median(t["job_tps"] for t in r["trials"])
         assert r["median"]["wall_s"] == statistics.median(t["wall_s"] for t in r["trials"])
         line = next(line for line in output.splitlines()
-                    if line.split()[:2] == [r["impl"], r["variant"]] and line.split()[4] == str(r["batch_size"]))
+                    if line.split()[:2] == [r["impl"], r["variant"]] and line.split()[6] == str(r["batch_size"]))
         assert f"{r['median']['job_tps']:.1f}" in line
+        assert line.split()[4] == r["weights"].replace("-bit g", "bit-g") and line.split()[5] == "greedy"
+        assert (r["temperature"], r["top_p"], r["ignore_eos"]) == (0.0, 1.0, True)
+    assert (s["greedy"], s["temperature"], s["top_p"], s["ignore_eos"]) == (True, 0.0, 1.0, True)
+    assert s["prompts_file"] is None
+    assert "3 new tokens each, greedy, ignore_eos" in output
     ours = [r for r in doc["rows"] if r["impl"] == "pipeline"]
     seq = ours[0]["median"]["job_tps"]
     for r in ours:
@@ -245,6 +254,11 @@ def test_batch_mode_structure(batch_doc):
     if HAVE_MLX_LM:
         assert s["peer"]["function"] == "mlx_lm.generate.batch_generate"
         assert [p["prefill_batch_size"] for p in doc["rows"] if p["impl"] == "mlx-lm"] == [1, 3]
+        # the peer runs our weight format: dense when ours were dequantized ("auto"), 4-bit when not
+        assert s["peer"]["dequantized"] == s["dequantized"]
+        assert {r["weights"] for r in doc["rows"]} == {doc["model"]["weights"]} == {s["peer"]["weights"]}
+        assert doc["model"]["weights"] == (str(mx.float32 if mx.default_device() == mx.cpu else mx.float16)
+                                           .removeprefix("mlx.core.") if s["dequantized"] else "4-bit g64")
 
 
 def test_distinct_prompts():
@@ -277,3 +291,195 @@ def test_fused_variant_runs_only_where_the_fused_step_exists():
         assert [s["reason"] for s in doc["skipped"]] == ["no fused step: not on MLX's CUDA backend"]
     with pytest.raises(bench.BenchError, match="unknown variant 'fast'"):
         bench.run_bench(random="tiny", prompt_tokens=(8,), variants=("fast",), peer=False, echo=lambda _s: None)
+
+
+def test_sampled_batch_mode(monkeypatch):
+    """--temperature/--top-p: every request of ours samples with those settings and its own seed (as a job's
+    row i), mlx-lm's batch_generate gets make_sampler's sampler (None when greedy), and the document, the
+    progress lines and the table name the settings."""
+    seen = {"ours": [], "peer": []}
+    original_run = BatchEngine.run
+
+    def run(self, requests):
+        requests = list(requests)
+        seen["ours"] += [r.params for r in requests]
+        return original_run(self, requests)
+
+    monkeypatch.setattr(BatchEngine, "run", run)
+    original_peer = bench.throughput._peer_batch
+
+    def peer_batch(*args, **kwargs):
+        seen["peer"].append(args[7])  # the sampler
+        return original_peer(*args, **kwargs)
+
+    monkeypatch.setattr(bench.throughput, "_peer_batch", peer_batch)
+    lines, progress = [], []
+    doc = bench.run_batch_bench(random="tiny", batch_sizes=(2,), prompts=3, prompt_tokens=8, max_tokens=3,
+                                temperature=0.8, top_p=0.95, peer=HAVE_MLX_LM, echo=lines.append,
+                                progress=progress.append)
+    s = doc["settings"]
+    assert (s["greedy"], s["temperature"], s["top_p"], s["ignore_eos"]) == (False, 0.8, 0.95, True)
+    assert {(p.temperature, p.top_p, p.ignore_eos) for p in seen["ours"]} == {(0.8, 0.95, True)}
+    timed = seen["ours"][-3:]  # the last trial's three requests: one seed each, a job's row_seed(seed, i, 0)
+    assert [p.seed for p in timed] == [row_seed(0, i, 0) for i in range(3)]
+    for r in doc["rows"]:
+        assert (r["temperature"], r["top_p"]) == (0.8, 0.95)
+        assert r["trials"][0]["generated_tokens"] == 3 * 3
+    table = lines[0]
+    assert "3 new tokens each, temperature 0.8, top_p 0.95, ignore_eos" in table
+    assert all(" t=0.8,p=0.95 " in line for line in table.splitlines() if line.startswith(("pipeline ", "mlx-lm ")))
+    assert all("temperature 0.8, top_p 0.95" in line for line in progress[1:])
+    if HAVE_MLX_LM:
+        assert s["peer"]["sampler"] == "make_sampler(0.8, top_p=0.95)"
+        assert seen["peer"] and all(callable(f) for f in seen["peer"])
+        assert any("top_p: ours keeps the nucleus" in n for n in doc["notes"])
+        seen["peer"].clear()
+        greedy = bench.run_batch_bench(random="tiny", batch_sizes=(2,), prompts=3, prompt_tokens=8, max_tokens=3,
+                                       echo=lambda _s: None)
+        assert greedy["settings"]["peer"]["sampler"] is None and seen["peer"] and set(seen["peer"]) == {None}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1.0}, "--temperature must be"), ({"temperature": float("nan")}, "--temperature must be"),
+    ({"temperature": 0.7, "top_p": 0.0}, "--top-p must be"), ({"top_p": 1.5}, "--top-p must be"),
+    ({"prompts_file": "x.parquet"}, "needs a MODEL"),
+])
+def test_batch_mode_rejects_bad_sampling_and_random_prompt_files(kwargs, message):
+    with pytest.raises(bench.BenchError, match=message):
+        bench.run_batch_bench(random="tiny", batch_sizes=(1,), peer=False, echo=lambda _s: None, **kwargs)
+
+
+def test_job_throughput_settings_need_batch_size():
+    result = CliRunner().invoke(main, ["bench", "--random", "tiny", "--prompt-tokens", "8", "--temperature", "0.8"])
+    assert result.exit_code == 1 and "--temperature: job throughput settings; add --batch-size" in result.output
+
+
+@pytest.mark.parametrize("dequantize", [True, False])
+def test_peer_runs_our_weight_format(dequantize):
+    """--dequantize: both sides dense in the compute dtype; --no-dequantize: both 4-bit; the ratio is computed."""
+    doc = bench.run_batch_bench(random="tiny", batch_sizes=(2,), prompts=3, prompt_tokens=8, max_tokens=3,
+                                dequantize=dequantize, peer=HAVE_MLX_LM, echo=lambda _s: None)
+    dense = str(mx.float32 if mx.default_device() == mx.cpu else mx.float16).removeprefix("mlx.core.")
+    want = dense if dequantize else "4-bit g64"
+    assert doc["model"]["weights"] == want and doc["settings"]["dequantized"] is dequantize
+    assert all(r["weights"] == want for r in doc["rows"])
+    if HAVE_MLX_LM:
+        peer = doc["settings"]["peer"]
+        assert (peer["weights"], peer["dequantized"]) == (want, dequantize)
+        assert peer["dtype"] == doc["settings"]["dtype"]
+        ours = next(r for r in doc["rows"] if r["impl"] == "pipeline")
+        assert ours["ratio_vs_peer"] is not None
+
+
+@pytest.mark.skipif(not HAVE_MLX_LM, reason="mlx-lm not installed")
+def test_no_ratio_across_weight_formats(monkeypatch):
+    """Should the peer run another weight format than ours (here its dequantization is switched off while
+    ours is dequantized), no ratio to it is computed or printed, in either mode, and a note says why."""
+    monkeypatch.setattr(bench.peer, "dequantize_model", lambda model, dtype: None)
+    lines = []
+    doc = bench.run_batch_bench(random="tiny", batch_sizes=(2,), prompts=3, prompt_tokens=8, max_tokens=3,
+                                dequantize=True, echo=lines.append)
+    ours = next(r for r in doc["rows"] if r["impl"] == "pipeline")
+    peer = next(r for r in doc["rows"] if r["impl"] == "mlx-lm")
+    assert ours["weights"] != peer["weights"] == "4-bit g64"
+    assert ours["ratio_vs_peer"] is None
+    assert any(n.startswith("B=2: no x_peer: ours ran") for n in doc["notes"])
+    row = next(line for line in lines[0].splitlines() if line.startswith("pipeline "))
+    assert row.split()[-2] == "-"  # x_peer
+    assert f"weights: ours {ours['weights']}, mlx-lm 4-bit g64" in lines[0]
+    doc = bench.run_bench(random="tiny", prompt_tokens=(8,), max_tokens=3, trials=1, variants=("eager",),
+                          dequantize=True, echo=lambda _s: None)
+    assert [r["vs_peer"] for r in doc["rows"] if r["impl"] == "pipeline"] == [None]
+    assert any(n.startswith("no x_peer: ours ran") for n in doc["notes"])
+
+
+# --- real prompts (--prompts-file): a model directory, a Parquet input, EOS stops -------------------------
+
+
+@pytest.fixture(scope="module")
+def stopping_model(tmp_path_factory):
+    """The tiny random model whose tokenizer also declares as EOS the second token it generates greedily for
+    the first prompt below, so that some rows end on EOS well before max_tokens (random weights rarely
+    emit the real EOS)."""
+    from tiny_model import _default_tokenizer, write_tiny_model
+
+    from pipeline import load_model
+    from pipeline.engine import GenerateParams
+    from pipeline.tokenizer import Tokenizer
+
+    tmp = tmp_path_factory.mktemp("stopping")
+    data = tmp / "questions.parquet"
+    pq.write_table(pa.table({"id": [f"q{i}" for i in range(5)],
+                             "question": [f"Tell me about topic {i}" + " please" * i for i in range(5)]}), data)
+    first = write_tiny_model(tmp / "plain")
+    lm = load_model(path=first)
+    ids = lm.tokenizer.encode(lm.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about topic 0"}]),
+                              parse_special=True)
+    stop = lm.engine.generate(ids, GenerateParams(max_tokens=2, ignore_eos=True)).token_ids[1]
+    base = _default_tokenizer()
+    tok = Tokenizer(base._hf, bos_token_id=base.bos_token_id, eos_token_ids=[*base.eos_token_ids, stop],
+                    add_bos_token=base.add_bos_token, chat_template=base.chat_template)
+    return write_tiny_model(tmp / "model", tokenizer=tok), data, stop
+
+
+def test_prompts_file_runs_the_jobs_token_ids(stopping_model, tmp_path, monkeypatch):
+    """--prompts-file: ours and mlx-lm get exactly the token ids a job builds from those rows (chat template),
+    EOS ends rows on both sides, and at B=1 the sequential row generates exactly the tokens `pipeline run`
+    of the same job generates (its run record's completion_tokens)."""
+    from pipeline.jobspec import job_from_dict
+    from pipeline.run import run_job
+
+    model, data, _ = stopping_model
+    got = {"ours": [], "peer": []}
+    original_ours, original_peer = bench.throughput._ours_batch, bench.throughput._peer_batch
+    monkeypatch.setattr(bench.throughput, "_ours_batch", lambda be, p, params: (got["ours"].append(p),
+                                                                               original_ours(be, p, params))[1])
+    monkeypatch.setattr(bench.throughput, "_peer_batch", lambda ref, p, *a: (got["peer"].append(p),
+                                                                            original_peer(ref, p, *a))[1])
+    path = tmp_path / "real.json"
+    result = CliRunner().invoke(main, ["bench", str(model), "--batch-size", "1,2", "--prompts-file", str(data),
+                                       "--prompt-column", "question", "--max-tokens", "6", "--trials", "1",
+                                       "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(path.read_text(encoding="utf-8"))
+
+    summary = run_job(job_from_dict({"model": str(model), "input": {"path": str(data), "id_column": "id",
+                                                                    "prompt_column": "question"},
+                                     "generation": {"max_tokens": 6}, "output": {"dir": str(tmp_path / "out")}}),
+                      progress=False, echo=lambda _m: None)
+    table = pa.concat_tables([pq.read_table(f) for f in sorted((tmp_path / "out").glob("part-*.parquet"))])
+    job_rows = {r["id"]: r for r in table.to_pylist()}
+    lengths = [job_rows[f"q{i}"]["prompt_tokens"] for i in range(5)]
+
+    s = doc["settings"]
+    assert s["prompts_file"]["path"] == str(data) and s["prompts_file"]["prompt_column"] == "question"
+    assert s["prompts_file"]["rows"] == s["prompts"] == s["prompts_b1"] == 5
+    assert s["prompts_file"]["prompt_tokens"]["total"] == sum(lengths) and s["ignore_eos"] is False
+    timed = [p for p in got["ours"] if len(p) == 5]  # the timed runs (warm-ups run B + 1 prompts)
+    assert timed and all(p == timed[0] for p in timed) and [len(x) for x in timed[0]] == lengths
+    if HAVE_MLX_LM:
+        peer_timed = [p for p in got["peer"] if len(p) == 5]
+        assert peer_timed and all(p == timed[0] for p in peer_timed)
+    seq = next(r for r in doc["rows"] if r["variant"] == "sequential")
+    assert seq["trials"][0]["generated_tokens"] == summary.completion_tokens
+    assert any(r["finish_reason"] == "stop" for r in job_rows.values())  # the EOS ended some rows
+    for r in doc["rows"]:
+        assert r["prompts"] == 5 and r["prompt_tokens"] is None and r["prompt_tokens_total"] == sum(lengths)
+        assert r["ignore_eos"] is False
+        t = r["trials"][0]
+        assert t["min_tokens_per_prompt"] < 6 and t["max_tokens_per_prompt"] <= 6  # EOS stops, either side
+    assert "prompts of " + str(data) in result.output and "EOS stops" in result.output
+
+
+def test_prompts_file_errors(stopping_model, tmp_path):
+    model, data, _ = stopping_model
+    result = CliRunner().invoke(main, ["bench", str(model), "--batch-size", "1", "--prompts-file", str(data),
+                                       "--prompt-column", "nope", "--no-peer"])
+    assert result.exit_code == 2 and "nope" in result.output  # an input problem, as for a job
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"prompt": ["fine", ""]}), bad)
+    with pytest.raises(bench.BenchError, match="row 1"):
+        bench.run_batch_bench(str(model), batch_sizes=(1,), prompts_file=bad, peer=False, echo=lambda _s: None)
+    with pytest.raises(bench.BenchError, match="has 5 rows; asked for 6"):
+        bench.run_batch_bench(str(model), batch_sizes=(1,), prompts_file=data, prompt_column="question", prompts=6,
+                              peer=False, echo=lambda _s: None)

@@ -99,6 +99,8 @@ def test_unknown_key_without_close_match_lists_known_keys():
         (minimal(input={"path": 5}), "input.path"),
         (minimal(model=3), "model"),
         (minimal(engine={"dequantize": 1}), "engine.dequantize"),
+        (minimal(engine={"batch_size": 2.5}), "engine.batch_size"),
+        (minimal(engine={"batch_size": True}), "engine.batch_size"),
     ],
 )
 def test_wrong_type_names_the_key(data, key):
@@ -138,6 +140,8 @@ def test_section_must_be_a_mapping():
         (minimal(engine={"dtype": "int8"}), "engine.dtype"),
         (minimal(engine={"prefill_step_size": 0}), "engine.prefill_step_size"),
         (minimal(engine={"fused": "yes"}), "engine.fused"),
+        (minimal(engine={"batch_size": 0}), "engine.batch_size"),
+        (minimal(engine={"batch_size": "max"}), "engine.batch_size"),
         (minimal(input={"path": "x", "limit": 0}), "input.limit"),
     ],
 )
@@ -149,6 +153,33 @@ def test_out_of_range_values_name_the_key(data, key):
 @pytest.mark.parametrize("value", [True, False, "auto"])
 def test_dequantize_accepts_bool_or_auto(value):
     assert job_from_dict(minimal(engine={"dequantize": value})).engine.dequantize == value
+
+
+@pytest.mark.parametrize("value", [1, 64, "auto"])
+def test_batch_size_accepts_an_integer_or_auto(value):
+    assert job_from_dict(minimal(engine={"batch_size": value})).engine.batch_size == value
+    assert job_from_dict(minimal()).engine.batch_size == 1
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, "engine.batch_size must be an integer >= 1 or auto, got 0"),
+    (-4, "engine.batch_size must be an integer >= 1 or auto, got -4"),
+    ("Auto", "engine.batch_size must be an integer >= 1 or auto, got 'Auto'"),
+    (2.5, "engine.batch_size must be int or str, got float 2.5"),
+    (None, "engine.batch_size must not be null"),
+])
+def test_bad_batch_size_is_one_line_naming_the_key(value, message):
+    with pytest.raises(JobSpecError) as e:
+        job_from_dict(minimal(engine={"batch_size": value}))
+    assert str(e.value) == message
+
+
+def test_batch_size_auto_is_in_the_fingerprint_as_auto():
+    """The fingerprint holds the setting, "auto" (the size it resolves to is in the run record)."""
+    from pipeline.run import fingerprint
+
+    assert fingerprint(job_from_dict(minimal(engine={"batch_size": "auto"})), {"sha256": "x"})["engine"]["batch_size"] \
+        == "auto"
 
 
 def test_input_needs_a_prompt_or_messages_column():

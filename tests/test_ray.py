@@ -82,7 +82,7 @@ def prompts(tmp_path_factory):
     return write_prompts(tmp_path_factory.mktemp("input") / "prompts.parquet", ROWS)
 
 
-def job_dict(model: Path, prompts: Path, out: Path, executor: str = "ray", batch_size: int = 1) -> dict:
+def job_dict(model: Path, prompts: Path, out: Path, executor: str = "ray", batch_size: int | str = 1) -> dict:
     return {
         "model": str(model),
         "input": {"path": str(prompts), "id_column": "id"},
@@ -99,7 +99,7 @@ def local_rows(tmp_path_factory, tiny_model, prompts):
     """``local_rows(batch_size)``: the committed rows of a local run of the job, by key (once per size)."""
     done = {}
 
-    def get(batch_size: int = 1) -> dict:
+    def get(batch_size: int | str = 1) -> dict:
         if batch_size not in done:
             out = tmp_path_factory.mktemp(f"local-b{batch_size}") / "out"
             job = job_from_dict(job_dict(tiny_model, prompts, out, "local", batch_size))
@@ -149,7 +149,7 @@ def assert_clean(out: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == sorted([s["file"] for s in manifest["shards"]] + ["manifest.json"])
 
 
-@pytest.mark.parametrize("batch_size", [1, 4], ids=["sequential", "batched"])
+@pytest.mark.parametrize("batch_size", [1, 4, "auto"], ids=["sequential", "batched", "auto"])
 def test_two_actors_give_the_rows_of_a_local_run(ray_address, tiny_model, prompts, local_rows, tmp_path, batch_size):
     out = tmp_path / "out"
     summary = run_job(job_from_dict(job_dict(tiny_model, prompts, out, batch_size=batch_size)), progress=False,
@@ -162,6 +162,10 @@ def test_two_actors_give_the_rows_of_a_local_run(ray_address, tiny_model, prompt
     assert manifest["plan"]["units"] == {}  # every planned unit committed
     workers = manifest["runs"][-1]["workers"]
     assert len(workers) == 2 and all(w["warmup_s"] > 0 for w in workers.values())  # each actor warmed up once
+    if batch_size == "auto":  # resolved once, in the capacity task, for every actor: the local run's size
+        from pipeline.run.local import auto_batch_cap
+
+        assert summary.batch_size == manifest["runs"][-1]["batch_size"] == auto_batch_cap()
     assert_clean(out)
 
 

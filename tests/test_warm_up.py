@@ -68,3 +68,15 @@ def test_run_warns_once_with_the_first_rows_prompt_length(tiny, tmp_path, caplog
     first = next(r for r in rows if r["id"] == "a")  # rows run in input order
     assert first["prompt_tokens"] != 8 and first["error"] is None
     assert window_warnings(caplog) == [expected(first["prompt_tokens"])]
+
+
+def test_summary_and_run_record_report_the_warm_up(tiny, tmp_path):
+    """The warm-up's seconds are in the summary (and its line) and the run record, kept out of elapsed_s;
+    the run record also says the batch size the rows ran with (1: sequential)."""
+    import json
+
+    summary = run_job(window_job(tiny, tmp_path), progress=False, echo=lambda m: None)
+    run = json.loads((tmp_path / "out" / "manifest.json").read_text())["runs"][-1]
+    assert summary.warmup_s is not None and summary.warmup_s > 0 and run["warmup_s"] == summary.warmup_s
+    assert f" after a {summary.warmup_s:.1f} s warm-up" in summary.line()
+    assert summary.batch_size == run["batch_size"] == 1 and "batch size" not in summary.line()

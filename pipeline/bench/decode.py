@@ -3,7 +3,8 @@
 Each row (implementation x variant x cache kind x prompt length) runs one warm-up generation (kernel
 JIT, graph tracing, cache buffer allocation; timed and reported apart as ``warmup_s``), then ``trials``
 timed generations of ``max_tokens`` new tokens, greedy, ``ignore_eos``, from the same random prompt;
-the table shows the medians. The peer is mlx-lm's ``generate_step`` on the same weights in the same run.
+the table shows the medians. The peer is mlx-lm's ``generate_step`` on the same weights, in the same
+format (dense when ours were dequantized), in the same run.
 The achieved read bandwidth is ``(weight bytes read per token + mean KV bytes read per decode step) x
 median decode tok/s``.
 """
@@ -21,7 +22,7 @@ from ..engine.cuda import fused_blocker
 from ..loader import compute_dtype
 from .peer import _peer_generate, load_peer, peer_windows
 from .settings import BenchError, _cache_spec, _check_context, parse_cache_kind
-from .shapes import _kv_layout, _load_ours, kv_read_bytes, weight_read_bytes
+from .shapes import _kv_layout, _load_ours, kv_read_bytes, weight_format, weight_read_bytes
 from .tables import _row_line, emit, result_document
 from .throughput import run_batch_bench
 from .timing import _gen_record, _time_row
@@ -31,8 +32,9 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
               max_tokens: int = 256, trials: int = 3, caches=("full",), dequantize: bool | str = "auto",
               peer: bool = True, variants=("eager", "compiled"), json_path: str | Path | None = None,
               prefill_step_size: int = 512, seed: int = 0, echo: Callable[[str], None] = print,
-              progress: Callable[[str], None] | None = None, batch_sizes=None, prompts: int = 256,
-              prompts_b1: int | None = None) -> dict:
+              progress: Callable[[str], None] | None = None, batch_sizes=None, prompts: int | None = None,
+              prompts_b1: int | None = None, temperature: float | None = None, top_p: float | None = None,
+              prompts_file: str | Path | None = None, prompt_column: str = "prompt") -> dict:
     """Run the benchmark; prints the table with ``echo`` and returns (and with ``json_path`` writes) the
     result document (see ``docs/BENCHMARKS.md``).
 
@@ -40,17 +42,28 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
     random weights of a named real shape (``RANDOM_SHAPES``). ``variants``: ``eager``, ``compiled``,
     ``fused`` (the fused CUDA step; listed as skipped where it cannot run).
 
-    With ``batch_sizes`` it measures job throughput instead (``run_batch_bench``; ``prompts`` and
-    ``prompts_b1`` apply there only).
+    The peer runs our weight format: dequantized to ``dtype`` when ours were (``load_peer``); a ratio
+    between rows of different formats is never computed (``vs_peer`` None, with a note).
+
+    With ``batch_sizes`` it measures job throughput instead (``run_batch_bench``; ``prompts``,
+    ``prompts_b1``, ``temperature``, ``top_p``, ``prompts_file`` and ``prompt_column`` apply there only).
 
     Raises:
-        BenchError: bad settings. Model-loading errors propagate as ``load_model``'s do.
+        BenchError: bad settings (also a batch-mode-only setting without ``batch_sizes``). Model-loading
+            errors propagate as ``load_model``'s do.
     """
     if batch_sizes:
         return run_batch_bench(model, random=random, batch_sizes=batch_sizes, prompts=prompts, prompts_b1=prompts_b1,
                                prompt_tokens=prompt_tokens[0], max_tokens=max_tokens, trials=trials, caches=caches,
                                dequantize=dequantize, peer=peer, variants=variants, json_path=json_path,
-                               prefill_step_size=prefill_step_size, seed=seed, echo=echo, progress=progress)
+                               prefill_step_size=prefill_step_size, seed=seed, echo=echo, progress=progress,
+                               temperature=0.0 if temperature is None else temperature,
+                               top_p=1.0 if top_p is None else top_p, prompts_file=prompts_file,
+                               prompt_column=prompt_column)
+    given = [name for name, v in (("--temperature", temperature), ("--top-p", top_p), ("--prompts-file", prompts_file))
+             if v is not None]
+    if given:
+        raise BenchError(f"{', '.join(given)}: job throughput settings; add --batch-size")
     progress = progress or (lambda _s: None)
     if trials < 1 or max_tokens < 1 or not prompt_tokens or min(prompt_tokens) < 1:
         raise BenchError("trials, max_tokens and every prompt length must be >= 1")
@@ -70,6 +83,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
     prompts = {n: rng.integers(0, args.vocab_size, n).tolist() for n in prompt_tokens}
     params = GenerateParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     our_weight_bytes = weight_read_bytes(ours)
+    our_weights = weight_format(ours)
     rows: list[dict] = []
     skipped: list[dict] = []
 
@@ -109,6 +123,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                 row["trace_count_after_warmup"] = row.pop("after_warmup")
                 row["trace_count"] = engine.trace_count
                 row["weight_read_bytes"] = our_weight_bytes
+                row["weights"] = our_weights
                 row["kv_read_bytes"] = kv_read_bytes(args, windows, n, max_tokens, dtype, kind["kv_bits"])
                 rows.append(row)
                 ran_caches.add(kind["name"])
@@ -116,7 +131,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
             del engine
 
     ref, peer_info = load_peer(peer, bm.config, bm.weights, dtype, notes, "mlx_lm.generate.generate_step",
-                               prefill_step_size=prefill_step_size, quantized_kv_start=0)
+                               dequantize=bm.dequantized, prefill_step_size=prefill_step_size, quantized_kv_start=0)
     if ref is not None:
         for kind in kinds:
             if kind["name"] not in ran_caches:
@@ -139,6 +154,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                 row["cache_layout_matches_ours"] = same_layout
                 row["compiled"] = False
                 row["weight_read_bytes"] = peer_info["weight_read_bytes"]
+                row["weights"] = peer_info["weights"]
                 row["kv_read_bytes"] = kv_read_bytes(args, windows, n, max_tokens, dtype, kind["kv_bits"])
                 rows.append(row)
                 progress(_row_line(row))
@@ -153,6 +169,12 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
             continue
         p = next((r for r in rows if r["impl"] == "mlx-lm" and r["cache"] == row["cache"]
                   and r["prompt_tokens"] == row["prompt_tokens"]), None)
+        if p is not None and p["weights"] != row["weights"]:
+            note = (f"no x_peer: ours ran {row['weights']} weights, mlx-lm {p['weights']} "
+                    "(a ratio across weight formats compares kernels, not engines)")
+            if note not in notes:
+                notes.append(note)
+            p = None
         if p is None:
             row["vs_peer"] = None
             continue

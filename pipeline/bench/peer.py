@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import importlib
 import time
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .shapes import weight_read_bytes
+from ..models import dequantize_model
+from .shapes import weight_format, weight_read_bytes
 from .timing import _job_record
 
 
@@ -52,11 +54,14 @@ def peer_model(config: dict, weights: dict[str, mx.array], dtype: mx.Dtype) -> n
 
 
 def load_peer(wanted: bool, config: dict, weights: dict[str, mx.array], dtype: mx.Dtype, notes: list[str],
-              function: str, **details) -> tuple[nn.Module | None, dict]:
+              function: str, *, dequantize: bool = False, **details) -> tuple[nn.Module | None, dict]:
     """(mlx-lm's model, or None, and the document's ``settings.peer``): the model when ``wanted`` and
     mlx-lm is installed (else a note is appended to ``notes`` if ``wanted``); ``settings.peer`` holds
-    ``available`` and ``ran``, and when it ran ``function``, the dtype, ``load_s`` (seconds), ``details``
-    and ``weight_read_bytes``."""
+    ``available`` and ``ran``, and when it ran ``function``, the dtype, ``dequantized``, ``weights``
+    (``weight_format``), ``load_s`` (seconds), ``details`` and ``weight_read_bytes``.
+
+    ``dequantize``: expand its quantized layers to ``dtype`` (``models.dequantize_model``, as ours is
+    expanded), so that both sides run the same weight format: pass whether ours was dequantized."""
     info = {"available": _peer_available(), "ran": False}
     if not (wanted and info["available"]):
         if wanted:
@@ -64,8 +69,11 @@ def load_peer(wanted: bool, config: dict, weights: dict[str, mx.array], dtype: m
         return None, info
     t = time.perf_counter()
     ref = peer_model(config, weights, dtype)
-    info.update({"ran": True, "function": function, "dtype": str(dtype), "dequantized": False,
-                 "load_s": time.perf_counter() - t, **details, "weight_read_bytes": weight_read_bytes(ref)})
+    if dequantize:
+        dequantize_model(ref, dtype)
+    info.update({"ran": True, "function": function, "dtype": str(dtype), "dequantized": bool(dequantize),
+                 "weights": weight_format(ref), "load_s": time.perf_counter() - t, **details,
+                 "weight_read_bytes": weight_read_bytes(ref)})
     return ref, info
 
 
@@ -102,27 +110,42 @@ def _peer_generate(ref, prompt: list[int], max_tokens: int, kind: dict, prefill_
             "compiled": False}
 
 
-class _NoStopTokenizer:
-    """The tokenizer ``batch_generate`` is given: no EOS ids, so only ``max_tokens`` ends a sequence
-    (random weights can emit the real EOS); texts are not decoded."""
+class PeerTokenizer:
+    """What ``batch_generate`` reads of a tokenizer: ``eos_token_ids`` (each ends a sequence; the ending
+    id is not among the returned ids, as ours leaves it out of ``Generation.token_ids``) and ``decode``
+    (called once per sequence at the end). The default has no EOS ids, so only ``max_tokens`` ends a
+    sequence (random weights can emit the real EOS), and decodes nothing."""
 
-    eos_token_ids: tuple = ()
+    def __init__(self, eos_token_ids=(), decode: Callable[[list[int]], str] | None = None):
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._decode = decode
 
-    def decode(self, _ids) -> str:
-        return ""
+    def decode(self, ids) -> str:
+        return "" if self._decode is None else self._decode(list(ids))
+
+
+def peer_sampler(temperature: float, top_p: float):
+    """mlx-lm's sampler for these settings (``mlx_lm.sample_utils.make_sampler(temp, top_p=...)``, in
+    mlx-lm 0.32: ``make_sampler(temp=0.0, top_p=0.0, min_p=0.0, min_tokens_to_keep=1, top_k=0, ...)``,
+    top_p applied only in (0, 1)), or None for greedy (``batch_generate``'s default argmax)."""
+    if temperature == 0:
+        return None
+    from mlx_lm.sample_utils import make_sampler
+
+    return make_sampler(temperature, top_p=top_p)
 
 
 def _peer_batch(ref, prompts: list[list[int]], max_tokens: int, batch_size: int, prefill_batch_size: int,
-                prefill_step_size: int) -> dict:
-    """mlx-lm's ``batch_generate`` over every prompt (completion batch ``batch_size``); the tokens counted
-    are the ids it returned."""
+                prefill_step_size: int, tokenizer: PeerTokenizer | None = None, sampler=None) -> dict:
+    """mlx-lm's ``batch_generate`` over every prompt (completion batch ``batch_size``; ``sampler`` None:
+    greedy); the tokens counted are the ids it returned."""
     from mlx_lm.generate import batch_generate
 
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    resp = batch_generate(ref, _NoStopTokenizer(), prompts, max_tokens=max_tokens, return_token_ids=True,
+    resp = batch_generate(ref, tokenizer or PeerTokenizer(), prompts, max_tokens=max_tokens, return_token_ids=True,
                           completion_batch_size=batch_size, prefill_batch_size=prefill_batch_size,
-                          prefill_step_size=prefill_step_size)
+                          prefill_step_size=prefill_step_size, **({} if sampler is None else {"sampler": sampler}))
     wall = time.perf_counter() - t0
     st = resp.stats
     return _job_record(wall, [len(t) for t in resp.token_ids], compiled=False,

@@ -19,6 +19,7 @@ from ..loader import model_identity, prepare_model
 from ..modeldir import read_model_dir
 from ..models import FAMILIES, build_model
 from ..resolve import resolve_model
+from ..tokenizer import Tokenizer
 from .settings import BenchError
 
 # Hugging Face config.json values of the real models (architecture only; weights are random).
@@ -128,6 +129,11 @@ def load_weights(model: str | None, random: str | None, dtype: mx.Dtype, seed: i
     Raises:
         BenchError: unknown shape, or neither/both of ``model`` and ``random``.
     """
+    return _read(model, random, dtype, seed)[:3]
+
+
+def _read(model: str | None, random: str | None, dtype: mx.Dtype, seed: int = 0):
+    """``load_weights``'s triple and the model's ``Tokenizer`` (None for random weights)."""
     if (model is None) == (random is None):
         raise BenchError("give a MODEL or --random SHAPE (not both)")
     if random is not None:
@@ -135,10 +141,11 @@ def load_weights(model: str | None, random: str | None, dtype: mx.Dtype, seed: i
             raise BenchError(f"unknown random shape {random!r} (known: {', '.join(PUBLIC_SHAPES)})")
         config = {**RANDOM_SHAPES[random], "quantization": dict(RANDOM_QUANTIZATION)}
         weights = random_weights(config, dtype, seed=seed, **RANDOM_QUANTIZATION)
-        return config, weights, {"random": random, "quantization": dict(RANDOM_QUANTIZATION), "seed": seed}
+        return config, weights, {"random": random, "quantization": dict(RANDOM_QUANTIZATION), "seed": seed}, None
     path = resolve_model(model)
     g = read_model_dir(path) if path.is_dir() else read_gguf(path)
-    return g.config, g.weights, {"spec": model, "path": str(path), "identity": model_identity(model, path)}
+    return (g.config, g.weights, {"spec": model, "path": str(path), "identity": model_identity(model, path)},
+            g.tokenizer)
 
 
 @dataclass
@@ -154,6 +161,7 @@ class BenchModel:
         dequantize: the setting asked for (true, false or "auto").
         dequantized: whether ours was dequantized.
         load_s: seconds to read (or draw) the weights and build ours.
+        tokenizer: the model spec's ``Tokenizer`` (None for random weights).
     """
 
     config: dict
@@ -164,6 +172,7 @@ class BenchModel:
     dequantize: bool | str
     dequantized: bool
     load_s: float
+    tokenizer: Tokenizer | None = None
 
 
 def _load_ours(model: str | None, random: str | None, dtype: mx.Dtype, dequantize: bool | str, seed: int,
@@ -176,10 +185,26 @@ def _load_ours(model: str | None, random: str | None, dtype: mx.Dtype, dequantiz
         BenchError: as ``load_weights``. Model-loading errors propagate as ``load_model``'s do.
     """
     t = time.perf_counter()
-    config, weights, source = load_weights(model, random, dtype, seed)
+    config, weights, source, tokenizer = _read(model, random, dtype, seed)
     ours = build_model(config, weights, dtype)
     dequantized = prepare_model(ours, dtype, dequantize, batch_size)
-    return BenchModel(config, weights, source, ours, dtype, dequantize, dequantized, time.perf_counter() - t)
+    return BenchModel(config, weights, source, ours, dtype, dequantize, dequantized, time.perf_counter() - t,
+                      tokenizer)
+
+
+def weight_format(model: nn.Module) -> str:
+    """How ``model``'s matrices (its Linear and Embedding layers) are stored: ``"4-bit g64"`` (affine
+    quantized: 4 bits, groups of 64 elements; another ``mode`` is named after it), ``"float16"`` (dense),
+    or the kinds present joined by ``" + "`` (sorted) when layers differ. Norms and biases are left out
+    (always dense). Two runs compare like for like only when their formats are equal."""
+    kinds = set()
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            mode = getattr(m, "mode", "affine")
+            kinds.add(f"{m.bits}-bit g{m.group_size}" + ("" if mode == "affine" else f" {mode}"))
+        elif isinstance(m, (nn.Linear, nn.Embedding)):
+            kinds.add(str(m.weight.dtype).removeprefix("mlx.core."))
+    return " + ".join(sorted(kinds))
 
 
 def weight_read_bytes(model: nn.Module) -> int:

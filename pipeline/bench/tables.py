@@ -19,7 +19,7 @@ import mlx.core as mx
 from .. import _blas
 from ..engine import Engine
 from ..models import dequantized_nbytes
-from .shapes import BenchModel, weight_read_bytes
+from .shapes import BenchModel, weight_format, weight_read_bytes
 
 SCHEMA = "pipeline.bench/1"
 
@@ -54,18 +54,21 @@ def engine_features() -> dict:
 
 def result_document(bm: BenchModel, *, context: int, prompt_tokens: list[int], max_tokens: int, trials: int,
                     kinds: list[dict], variants, prefill_step_size: int, seed: int, peer_info: dict, rows: list[dict],
-                    skipped: list[dict], notes: list[str], batch: dict | None = None) -> dict:
+                    skipped: list[dict], notes: list[str], batch: dict | None = None, temperature: float = 0.0,
+                    top_p: float = 1.0, ignore_eos: bool = True) -> dict:
     """The result document of one run: schema, machine, settings, model, rows, skipped rows and notes.
 
     ``batch``: batch mode's extra settings (``batch_sizes``, ``prompts``, ``prompts_b1``,
-    ``warmup_tokens``); with it ``settings.mode`` is "batch".
+    ``warmup_tokens``, ``prompts_file``); with it ``settings.mode`` is "batch". ``temperature`` and
+    ``top_p``: the sampling settings every row ran (``greedy``: temperature 0).
     """
     settings = {
         **({"mode": "batch"} if batch is not None else {}),
         "model": bm.source, "prompt_tokens": list(prompt_tokens), "max_tokens": max_tokens, "trials": trials,
         "caches": [k["name"] for k in kinds], "variants": list(variants), "dtype": str(bm.dtype),
         "dequantize": bm.dequantize, "dequantized": bm.dequantized,
-        "prefill_step_size": prefill_step_size, "seed": seed, "greedy": True, "ignore_eos": True,
+        "prefill_step_size": prefill_step_size, "seed": seed, "greedy": temperature == 0,
+        "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos,
         "engine_features": engine_features(), "peer": peer_info, **(batch or {}),
     }
     return {
@@ -75,7 +78,8 @@ def result_document(bm: BenchModel, *, context: int, prompt_tokens: list[int], m
         "model": {
             "model_type": bm.config["model_type"], "config": bm.config, "context_length": context,
             "parameters": dequantized_nbytes(bm.model, mx.float32) // 4,
-            "weight_read_bytes": weight_read_bytes(bm.model), "dequantized": bm.dequantized, "load_s": bm.load_s,
+            "weight_read_bytes": weight_read_bytes(bm.model), "dequantized": bm.dequantized,
+            "weights": weight_format(bm.model), "load_s": bm.load_s,
         },
         "rows": rows,
         "skipped": skipped,
@@ -105,10 +109,30 @@ def _row_line(row: dict) -> str:
             f"decode {_fmt(m['decode_tps'], '.1f')} tok/s (median of {len(row['trials'])})")
 
 
+def sampling_label(temperature: float, top_p: float) -> str:
+    """``greedy``, or ``temperature 0.8, top_p 0.95`` (top_p left out when 1: off)."""
+    if temperature == 0:
+        return "greedy"
+    return f"temperature {temperature:g}" + (f", top_p {top_p:g}" if top_p < 1 else "")
+
+
+def _sampling_cell(row: dict) -> str:
+    """The table's ``sampling`` cell: ``greedy`` or ``t=0.8,p=0.95``."""
+    if row["temperature"] == 0:
+        return "greedy"
+    return f"t={row['temperature']:g}" + (f",p={row['top_p']:g}" if row["top_p"] < 1 else "")
+
+
+def _weights_cell(fmt: str) -> str:
+    """A ``weight_format`` without spaces, for a table cell: ``4bit-g64``, ``float16``, ``float16+4bit-g64``."""
+    return fmt.replace("-bit g", "bit-g").replace(" + ", "+").replace(" ", "-")
+
+
 def _batch_row_line(row: dict) -> str:
     m = row["median"]
     compile_setting = f" compile={row['compile']}" if row["compile"] is not None else ""
-    return (f"{row['impl']} {row['variant']}{compile_setting} cache={row['cache']} B={row['batch_size']}: "
+    return (f"{row['impl']} {row['variant']}{compile_setting} cache={row['cache']} B={row['batch_size']} "
+            f"{sampling_label(row['temperature'], row['top_p'])}, weights {row['weights']}: "
             f"warm-up {row['warmup_s']:.2f}s, {row['prompts']} prompts in {m['wall_s']:.2f}s, "
             f"{m['job_tps']:.1f} tok/s (median of {len(row['trials'])})")
 
@@ -116,8 +140,11 @@ def _batch_row_line(row: dict) -> str:
 def _model_line(doc: dict) -> str:
     s, mod = doc["settings"], doc["model"]
     src = s["model"].get("spec") or f"random {s['model']['random']} (4-bit, group 64)"
+    weights = f"weights: ours {mod.get('weights', '?')}"
+    if s["peer"].get("ran"):
+        weights += f", mlx-lm {s['peer'].get('weights', '?')}"
     return (f"model: {src}, {mod['model_type']}, {mod['parameters'] / 1e6:.1f}M parameters; "
-            f"dtype {s['dtype']}, ours dequantized: {str(mod['dequantized']).lower()}")
+            f"dtype {s['dtype']}, ours dequantized: {str(mod['dequantized']).lower()}; {weights}")
 
 
 def _device_line(mach: dict) -> str:
@@ -150,25 +177,35 @@ def _skipped_and_notes(doc: dict, keys: tuple[str, ...]) -> list[str]:
 def _format_batch_table(doc: dict) -> str:
     s = doc["settings"]
     b1 = f" ({s['prompts_b1']} at B=1)" if s["prompts_b1"] != s["prompts"] else ""
+    sampling = sampling_label(s["temperature"], s["top_p"])
+    pf = s.get("prompts_file")
+    if pf:
+        what = (f"{s['prompts']} prompts{b1} of {pf['path']} (column {pf['prompt_column']!r}, chat template "
+                f"{'applied' if pf['chat_template'] else 'not applied'}; {pf['prompt_tokens']['min']}-"
+                f"{pf['prompt_tokens']['max']} tokens, mean {pf['prompt_tokens']['mean']:.1f}), up to "
+                f"{s['max_tokens']} new tokens each, {sampling}, EOS stops")
+    else:
+        what = (f"{s['prompts']} prompts{b1} of {s['prompt_tokens'][0]} random tokens, {s['max_tokens']} new "
+                f"tokens each, {sampling}, ignore_eos")
     head = [
         _model_line(doc),
         _device_line(doc["machine"]),
-        f"job throughput: {s['prompts']} prompts{b1} of {s['prompt_tokens'][0]} random tokens, {s['max_tokens']} new "
-        f"tokens each, greedy, ignore_eos; generated tokens / wall s (prefill included); median of {s['trials']} "
+        f"job throughput: {what}; generated tokens / wall s (prefill included); median of {s['trials']} "
         f"trials after 1 warm-up (warmup_s, excluded)",
     ]
-    cols = ["impl", "variant", "compile", "cache", "B", "prompts", "warmup_s", "wall_s", "job_tok/s", "x_peer",
-            "x_sequential"]
+    cols = ["impl", "variant", "compile", "cache", "weights", "sampling", "B", "prompts", "warmup_s", "wall_s",
+            "job_tok/s", "x_peer", "x_sequential"]
     lines = []
     for r in doc["rows"]:
         m = r["median"]
         compile_setting = "-" if r["compile"] is None else r["compile"] + ("(compiled)" if r["compiled"] else "(eager)")
-        lines.append([r["impl"], r["variant"], compile_setting, r["cache"], str(r["batch_size"]), str(r["prompts"]),
-                      f"{r['warmup_s']:.2f}", f"{m['wall_s']:.2f}", f"{m['job_tps']:.1f}",
-                      _fmt(r.get("ratio_vs_peer"), ".2f"), _fmt(r.get("speedup_vs_sequential"), ".2f")])
-    out = head + [""] + _grid(cols, lines, left=4)
-    out.append("x_peer: ours / mlx-lm batch_generate at the same B; x_sequential: ours / our sequential "
-               "Engine.generate loop (same compile setting)")
+        lines.append([r["impl"], r["variant"], compile_setting, r["cache"], _weights_cell(r["weights"]),
+                      _sampling_cell(r), str(r["batch_size"]), str(r["prompts"]), f"{r['warmup_s']:.2f}",
+                      f"{m['wall_s']:.2f}", f"{m['job_tps']:.1f}", _fmt(r.get("ratio_vs_peer"), ".2f"),
+                      _fmt(r.get("speedup_vs_sequential"), ".2f")])
+    out = head + [""] + _grid(cols, lines, left=6)
+    out.append("x_peer: ours / mlx-lm batch_generate at the same B, same weight format only; x_sequential: ours / "
+               "our sequential Engine.generate loop (same compile setting)")
     out += _skipped_and_notes(doc, ("impl", "variant", "cache", "batch_size"))
     return "\n".join(out)
 

@@ -1,11 +1,13 @@
 """The job-throughput driver (``pipeline bench --batch-size``): generated tokens / wall s per batch size.
 
-Many distinct random prompts go through ``BatchEngine`` at each batch size (at B=1 also through the
-sequential ``Engine.generate`` loop), with mlx-lm's ``batch_generate`` on the same weights as the peer.
+Many distinct random prompts, or the rows of a prompts file built as a job builds them, go through
+``BatchEngine`` at each batch size (at B=1 also through the sequential ``Engine.generate`` loop), greedy or
+sampled, with mlx-lm's ``batch_generate`` on the same weights, in the same weight format, as the peer.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Callable
@@ -14,11 +16,16 @@ import mlx.core as mx
 import numpy as np
 
 from ..engine import BatchEngine, Engine, GenerateParams, Request
+from ..engine.sampler import row_seed
 from ..errors import RowError
+from ..inputs import read_rows
+from ..jobspec import InputSpec
 from ..loader import compute_dtype
-from .peer import _peer_batch, load_peer
+from ..prompts import build_prompt
+from ..tokenizer import Tokenizer
+from .peer import PeerTokenizer, _peer_batch, load_peer, peer_sampler
 from .settings import BenchError, _cache_spec, _check_context, parse_cache_kind
-from .shapes import _load_ours
+from .shapes import _load_ours, weight_format
 from .tables import _batch_row_line, emit, result_document
 from .timing import _job_record, _time_job
 
@@ -43,60 +50,117 @@ def distinct_prompts(rng: np.random.Generator, count: int, length: int, vocab: i
     return out
 
 
-def _ours_sequential(engine: Engine, prompts: list[list[int]], params: GenerateParams) -> dict:
-    """The ``Engine.generate`` loop, one prompt after the other (what a job runs at batch size 1)."""
+def file_prompts(path: str | Path, column: str, tokenizer: Tokenizer, limit: int | None = None) -> list[list[int]]:
+    """Prompt token ids of the first ``limit`` rows (None: every row) of the input ``path``, built as a job
+    with ``input: {path: PATH, prompt_column: COLUMN}`` (every other input key at its default) builds them:
+    ``inputs.read_rows``, then ``prompts.build_prompt`` (the chat template with one user turn, one BOS if
+    the model asks for it, special-token text in the data encoded as plain text).
+
+    Raises:
+        InputError: the file or the column cannot be read.
+        BenchError: the model has no chat template, or a row a job would fail (a null or empty prompt),
+            naming its id.
+    """
+    if not tokenizer.chat_template:
+        raise BenchError("--prompts-file: the model has no chat template (a job needs "
+                         "input.apply_chat_template: false for it; the benchmark runs jobs with the template)")
+    spec = InputSpec(path=str(path), prompt_column=column)
+    rows, _ = read_rows(spec, limit)
+    out = []
+    for row in rows:
+        try:
+            if row.error is not None:
+                raise RowError(row.error)
+            out.append(build_prompt(row, spec, tokenizer).token_ids)
+        except RowError as e:
+            raise BenchError(f"{path}: row {row.id!r}: {e}") from None
+    return out
+
+
+def _ours_sequential(engine: Engine, prompts: list[list[int]], params: Callable[[int], GenerateParams]) -> dict:
+    """The ``Engine.generate`` loop, one prompt after the other (what a job runs at batch size 1);
+    ``params(i)``: prompt i's settings."""
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    gens = [engine.generate(p, params) for p in prompts]
+    gens = [engine.generate(p, params(i)) for i, p in enumerate(prompts)]
     wall = time.perf_counter() - t0
     return _job_record(wall, [len(g.token_ids) for g in gens], compiled=all(g.compiled for g in gens))
 
 
-def _ours_batch(be: BatchEngine, prompts: list[list[int]], params: GenerateParams) -> dict:
-    """Every prompt through ``BatchEngine.run``; the wall time includes each request's prefill."""
+def _ours_batch(be: BatchEngine, prompts: list[list[int]], params: Callable[[int], GenerateParams]) -> dict:
+    """Every prompt through ``BatchEngine.run`` (``params(i)``: prompt i's settings); the wall time runs
+    from the first request's prefill to the last token."""
     counts: dict[int, int] = {}
     t0 = time.perf_counter()
-    for tag, got in be.run(Request(i, p, params) for i, p in enumerate(prompts)):
+    for tag, got in be.run(Request(i, p, params(i)) for i, p in enumerate(prompts)):
         if isinstance(got, Exception):
             raise BenchError(f"BatchEngine rejected prompt {tag}: {got}")
         counts[tag] = len(got.token_ids)
     wall = time.perf_counter() - t0
     if len(counts) != len(prompts):
         raise BenchError(f"BatchEngine returned {len(counts)} of {len(prompts)} requests")
-    return _job_record(wall, [counts[i] for i in range(len(prompts))], compiled=be.compiled)
+    return _job_record(wall, [counts[i] for i in range(len(prompts))], compiled=be.compiled, path=be.path)
+
+
+def _check_sampling(temperature: float, top_p: float) -> None:
+    """Raises: BenchError: temperature not a finite number >= 0, or top_p outside (0, 1] (the job's ranges)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise BenchError(f"--temperature must be a finite number >= 0, got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise BenchError(f"--top-p must be in (0, 1], got {top_p!r}")
 
 
 def run_batch_bench(model: str | None = None, *, random: str | None = None, batch_sizes=(1, 8, 32, 64, 128),
-                    prompts: int = 256, prompts_b1: int | None = None, prompt_tokens: int = 64,
+                    prompts: int | None = None, prompts_b1: int | None = None, prompt_tokens: int = 64,
                     max_tokens: int = 128, trials: int = 1, caches=("full",), dequantize: bool | str = "auto",
                     peer: bool = True, variants=("auto",), json_path: str | Path | None = None,
-                    prefill_step_size: int = 512, seed: int = 0, echo: Callable[[str], None] = print,
-                    progress: Callable[[str], None] | None = None) -> dict:
-    """Job throughput (generated tokens / wall seconds, prefill included) of ``prompts`` distinct random
-    prompts, greedy, ``ignore_eos``, ``max_tokens`` new tokens each, per batch size B: ours through
+                    prefill_step_size: int = 512, seed: int = 0, temperature: float = 0.0, top_p: float = 1.0,
+                    prompts_file: str | Path | None = None, prompt_column: str = "prompt",
+                    echo: Callable[[str], None] = print, progress: Callable[[str], None] | None = None) -> dict:
+    """Job throughput (generated tokens / wall seconds, prefill included) per batch size B: ours through
     ``pipeline.engine.BatchEngine`` (and at B=1 also the sequential ``Engine.generate`` loop), mlx-lm's
     ``batch_generate`` (completion batch B, prefill batch min(B, 8)) on the same weights as the peer.
+
+    Prompts: ``prompts`` (default 256) distinct random prompts of ``prompt_tokens`` tokens, ``ignore_eos``,
+    exactly ``max_tokens`` new tokens each; or with ``prompts_file`` (a model spec only, not ``random``)
+    the first ``prompts`` rows (default: all) of that input, column ``prompt_column``, built as a job
+    builds them (``file_prompts``), EOS ending a row (the model's EOS ids on both sides), at most
+    ``max_tokens`` new tokens each. Sampling: ``temperature`` 0 is greedy; above 0 each prompt samples
+    with its own seed (``sampler.row_seed(seed, i, 0)``, as a job's row i) and ``top_p``; the peer runs
+    ``mlx_lm.sample_utils.make_sampler(temperature, top_p=top_p)``.
+
+    Weights: the peer is given the weights in our format: dense ``dtype`` when ours were dequantized,
+    else quantized as read. Each row records its ``weights`` (``weight_format``); ``ratio_vs_peer`` is
+    computed only between rows of the same format (else None, and a note says why).
 
     ``variants``: the engine's ``compile`` setting, ``auto`` (what a job uses), ``eager``, ``compiled``.
     Rows at B=1 (sequential, batch and peer) run ``prompts_b1`` prompts (default ``prompts``): their
     rate is per token, and they take longest. Each row: one warm-up run of min(prompts, B + 1) prompts of
     ``WARMUP_TOKENS`` new tokens (every slot filled, then one refilled) (the sequential row: min(prompts, 2)
-    prompts of ``max_tokens``), then ``trials`` timed runs; B's rows of ours and mlx-lm run one after the
-    other. Prints the table with ``echo`` and returns (and with ``json_path`` writes) the result document.
+    prompts of ``max_tokens``), reported as ``warmup_s``, then ``trials`` timed runs; B's rows of ours and
+    mlx-lm run one after the other. Prints the table with ``echo`` and returns (and with ``json_path``
+    writes) the result document.
 
     Raises:
-        BenchError: bad settings, or a run that did not generate ``max_tokens`` per prompt.
+        BenchError: bad settings; random prompts: a run that did not generate ``max_tokens`` per prompt.
+        InputError: ``prompts_file`` or its column cannot be read.
     """
     progress = progress or (lambda _s: None)
     batch_sizes = list(batch_sizes)
-    prompts_b1 = prompts if prompts_b1 is None else prompts_b1
-    if trials < 1 or max_tokens < 1 or prompt_tokens < 1 or prompts < 1 or prompts_b1 < 1:
+    real = prompts_file is not None
+    if real and random is not None:
+        raise BenchError("--prompts-file needs a MODEL (its tokenizer and chat template), not --random")
+    if prompts is None and not real:
+        prompts = 256
+    if trials < 1 or max_tokens < 1 or prompt_tokens < 1 or (prompts is not None and prompts < 1) or \
+            (prompts_b1 is not None and prompts_b1 < 1):
         raise BenchError("trials, max_tokens, prompt tokens and prompts must be >= 1")
     if not batch_sizes or min(batch_sizes) < 1 or len(set(batch_sizes)) != len(batch_sizes):
         raise BenchError("batch sizes must be distinct integers >= 1")
     for v in variants:
         if v not in ("auto", "eager", "compiled"):
             raise BenchError(f"unknown variant {v!r} (auto, eager, compiled)")
+    _check_sampling(temperature, top_p)
     kinds = [parse_cache_kind(c) for c in caches]
     dtype = compute_dtype("auto")
     notes: list[str] = []
@@ -104,21 +168,51 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
 
     bm = _load_ours(model, random, dtype, dequantize, seed, batch_size=max(batch_sizes))
     ours, args = bm.model, bm.model.args
-    context = _check_context(args, [prompt_tokens], max_tokens)
-    progress(f"loaded {model or 'random ' + random} in {bm.load_s:.1f}s (dtype {dtype}, dequantized {bm.dequantized})")
+    ours_weights = weight_format(ours)
+    progress(f"loaded {model or 'random ' + random} in {bm.load_s:.1f}s (dtype {dtype}, dequantized {bm.dequantized}, "
+             f"weights {ours_weights})")
 
-    rng = np.random.default_rng(seed)
-    all_prompts = distinct_prompts(rng, max(prompts, prompts_b1), prompt_tokens, args.vocab_size)
+    file_info = None
+    if real:
+        want = None if prompts is None else max(prompts, prompts_b1 or 0)
+        all_prompts = file_prompts(prompts_file, prompt_column, bm.tokenizer, want)
+        if not all_prompts:
+            raise BenchError(f"{prompts_file} has no rows")
+        prompts = len(all_prompts) if prompts is None else prompts
+        lengths = [len(p) for p in all_prompts]
+        file_info = {"path": str(prompts_file), "prompt_column": prompt_column, "rows": len(all_prompts),
+                     "chat_template": True, "prompt_tokens": {"min": min(lengths), "max": max(lengths),
+                                                              "mean": sum(lengths) / len(lengths),
+                                                              "total": sum(lengths)}}
+        eos = list(bm.tokenizer.eos_token_ids)
+        context = _check_context(args, [max(lengths)], max_tokens)
+    else:
+        context = _check_context(args, [prompt_tokens], max_tokens)
+        all_prompts = distinct_prompts(np.random.default_rng(seed), max(prompts, prompts_b1 or 0), prompt_tokens,
+                                       args.vocab_size)
+        eos = []
+    prompts_b1 = prompts if prompts_b1 is None else prompts_b1
+    if max(prompts, prompts_b1) > len(all_prompts):
+        raise BenchError(f"{prompts_file} has {len(all_prompts)} rows; asked for {max(prompts, prompts_b1)}")
     warmup_tokens = min(max_tokens, WARMUP_TOKENS)
 
     def n_prompts(b: int) -> int:
         return prompts_b1 if b == 1 else prompts
 
-    def params(n_new: int) -> GenerateParams:
-        return GenerateParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+    def params(n_new: int) -> Callable[[int], GenerateParams]:
+        return lambda i: GenerateParams(max_tokens=n_new, temperature=temperature, top_p=top_p, ignore_eos=not real,
+                                        seed=row_seed(seed, i, 0))
 
+    sampler_text = None if temperature == 0 else f"make_sampler({temperature:g}, top_p={top_p:g})"
     ref, peer_info = load_peer(peer, bm.config, bm.weights, dtype, notes, "mlx_lm.generate.batch_generate",
-                               prefill_step_size=prefill_step_size, prefill_batch_size="min(B, 8)", stop_tokens=[])
+                               dequantize=bm.dequantized, prefill_step_size=prefill_step_size,
+                               prefill_batch_size="min(B, 8)", stop_tokens=eos, sampler=sampler_text)
+    sampler = peer_sampler(temperature, top_p) if ref is not None else None
+    peer_tok = PeerTokenizer(eos, bm.tokenizer.decode if real else None)
+    if ref is not None and temperature > 0 and top_p < 1:
+        notes.append("top_p: ours keeps the nucleus of the distribution at the temperature (vLLM's order); "
+                     "mlx-lm's make_sampler cuts it from the temperature-1 distribution, then samples at the "
+                     "temperature")
 
     engines: dict[tuple, Engine] = {}
     run_kinds = []
@@ -127,8 +221,8 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
             compile_setting = {"auto": "auto", "eager": False, "compiled": True}[variant]
             try:
                 engines[kind["name"], variant] = Engine(
-                    ours, eos_token_ids=[], context_length=context, prefill_step_size=prefill_step_size,
-                    compile=compile_setting, cache_spec=_cache_spec(kind))
+                    ours, eos_token_ids=eos, context_length=context, prefill_step_size=prefill_step_size,
+                    compile=compile_setting, cache_spec=_cache_spec(kind), tokenizer=bm.tokenizer if real else None)
             except (ValueError, NotImplementedError, RowError) as e:
                 skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"], "reason": str(e)})
                 continue
@@ -140,22 +234,27 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
     rows: list[dict] = []
 
     def base(impl, variant, compile_setting, kind, b):
+        ps = all_prompts[: n_prompts(b)]
         return {"mode": "batch", "impl": impl, "variant": variant, "compile": compile_setting, "cache": kind["name"],
-                "max_kv_size": kind["max_kv_size"], "kv_bits": kind["kv_bits"], "prompt_tokens": prompt_tokens,
-                "max_tokens": max_tokens, "batch_size": b, "prompts": n_prompts(b)}
+                "max_kv_size": kind["max_kv_size"], "kv_bits": kind["kv_bits"],
+                "prompt_tokens": None if real else prompt_tokens, "prompt_tokens_total": sum(len(p) for p in ps),
+                "max_tokens": max_tokens, "batch_size": b, "prompts": len(ps), "temperature": temperature,
+                "top_p": top_p, "ignore_eos": not real,
+                "weights": ours_weights if impl == "pipeline" else peer_info["weights"]}
 
     def add(row, timed):
         row.update(timed)
         row["trace_count_after_warmup"] = row.pop("after_warmup")
         row["compiled"] = row["trials"][-1]["compiled"]
-        for t in row["trials"]:
-            if (t["min_tokens_per_prompt"], t["max_tokens_per_prompt"]) != (max_tokens, max_tokens):
+        for t in row["trials"]:  # random prompts ignore EOS: exactly max_tokens each; real ones at most
+            lo, hi = t["min_tokens_per_prompt"], t["max_tokens_per_prompt"]
+            if hi > max_tokens or (not real and lo != max_tokens):
                 raise BenchError(f"{row['impl']} {row['variant']} B={row['batch_size']} generated "
-                                 f"{t['min_tokens_per_prompt']}-{t['max_tokens_per_prompt']} tokens per prompt, "
-                                 f"not {max_tokens}")
+                                 f"{lo}-{hi} tokens per prompt, not {'up to ' * real}{max_tokens}")
         rows.append(row)
         progress(_batch_row_line(row))
 
+    max_len = max(len(p) for p in all_prompts)
     for b in batch_sizes:
         ps = all_prompts[: n_prompts(b)]
         for kind in run_kinds:
@@ -175,7 +274,7 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
                         row["trace_count"] = engine.trace_count
                 row = base("pipeline", "batch", variant, kind, b)
                 try:
-                    be = BatchEngine(engine, b, prompt_tokens + max_tokens)
+                    be = BatchEngine(engine, b, max_len + max_tokens)
                     timed = _time_job(lambda p, n: _ours_batch(be, p, params(n)), ps, min(len(ps), b + 1),
                                       warmup_tokens, max_tokens, trials, probe=lambda: be.trace_count)
                 except (ValueError, NotImplementedError, RowError) as e:
@@ -183,6 +282,7 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
                 else:
                     add(row, timed)
                     row["trace_count"] = be.trace_count
+                    row["path"] = be.path  # the decode step: "cuda-batched" or "generic" (BatchEngine.path)
                     try:
                         row["kv_bytes"] = be.kv_bytes()
                     except Exception:  # noqa: BLE001 - informational only
@@ -192,8 +292,8 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
             pbs = min(b, 8)
             row = base("mlx-lm", "batch_generate", None, parse_cache_kind("full"), b)
             row["prefill_batch_size"] = pbs
-            timed = _time_job(lambda p, n: _peer_batch(ref, p, n, b, pbs, prefill_step_size), ps, min(len(ps), b + 1),
-                              warmup_tokens, max_tokens, trials)
+            timed = _time_job(lambda p, n: _peer_batch(ref, p, n, b, pbs, prefill_step_size, peer_tok, sampler), ps,
+                              min(len(ps), b + 1), warmup_tokens, max_tokens, trials)
             add(row, timed)
 
     for row in rows:
@@ -201,14 +301,21 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
             continue
         p = next((r for r in rows if r["impl"] == "mlx-lm" and r["cache"] == row["cache"]
                   and r["batch_size"] == row["batch_size"]), None)
+        if p is not None and p["weights"] != row["weights"]:
+            note = (f"B={row['batch_size']}: no x_peer: ours ran {row['weights']} weights, mlx-lm {p['weights']} "
+                    "(a ratio across weight formats compares kernels, not engines)")
+            if note not in notes:
+                notes.append(note)
+            p = None
         row["ratio_vs_peer"] = row["median"]["job_tps"] / p["median"]["job_tps"] if p else None
         seq = next((r for r in rows if r["impl"] == "pipeline" and r["variant"] == "sequential"
                     and r["cache"] == row["cache"] and r["compile"] == row["compile"]), None)
         row["speedup_vs_sequential"] = row["median"]["job_tps"] / seq["median"]["job_tps"] if seq else None
 
-    doc = result_document(bm, context=context, prompt_tokens=[prompt_tokens], max_tokens=max_tokens, trials=trials,
-                          kinds=kinds, variants=variants, prefill_step_size=prefill_step_size, seed=seed,
-                          peer_info=peer_info, rows=rows, skipped=skipped, notes=notes,
+    doc = result_document(bm, context=context, prompt_tokens=[] if real else [prompt_tokens], max_tokens=max_tokens,
+                          trials=trials, kinds=kinds, variants=variants, prefill_step_size=prefill_step_size,
+                          seed=seed, peer_info=peer_info, rows=rows, skipped=skipped, notes=notes,
+                          temperature=temperature, top_p=top_p, ignore_eos=not real,
                           batch={"batch_sizes": batch_sizes, "prompts": prompts, "prompts_b1": prompts_b1,
-                                 "warmup_tokens": warmup_tokens})
+                                 "warmup_tokens": warmup_tokens, "prompts_file": file_info})
     return emit(doc, echo, json_path)

@@ -1,24 +1,40 @@
 """Continuous batching: up to ``batch_size`` requests decode together, one model forward per step.
 
-A request is prefilled alone (batch 1, through the engine's own caches, so every cache kind and
-chunked prefill work exactly as in sequential mode), then its keys and values are copied into its
-*slot*: row ``b`` of per-layer batch buffers ``(B, n_kv_heads, capacity, head_dim)`` (quantized
-layers: the ``(packed, scales, biases)`` triples). Each decode step runs the unmodified model on the
+Prefill. With ``prefill_batch`` (on by default on a GPU, where a short prompt's forward costs its
+kernel launches, not its arithmetic), requests admitted together are prefilled together: prompts of
+up to ``prefill_step_size`` tokens are padded (after the prompt) to a power-of-two bucket of at least
+16 tokens, and each bucket runs as ONE forward of ``prefill_step_size // bucket`` rows (idle rows are
+padding), so a prompt's arithmetic never depends on which prompts share its forward. Longer prompts,
+quantized layers, and buckets longer than a rotating layer's window are prefilled alone (batch 1,
+through the engine's own caches, chunked exactly as in sequential mode), as every prompt is on the
+CPU, where prefill is bound by arithmetic and batching gains nothing. While slots are decoding, at
+most one prefill forward runs between two decode steps, so admission stalls them for one chunk at
+most. A prefilled request's keys and values are copied into its *slot*: row ``b`` of per-layer batch
+buffers ``(B, n_kv_heads, capacity, head_dim)`` (quantized layers: the ``(packed, scales, biases)``
+triples). Each decode step runs the unmodified model on the
 ``(B, 1)`` tokens of every slot against ``BatchView`` s of those buffers, with each slot's own
 position (RoPE offset, write slot and attention mask come from a ``(B,)`` int32 position vector). A
 request that ends (EOS, stop token, stop string, ``max_tokens``) leaves its slot at once and the next
 request is prefilled into it, overwriting the slot (positions it has not written are zero).
 
-Sampling is per request: greedy requests without penalties, suppression or logprobs take the
-argmax of their row of the batched logits; every other request runs ``sampler.sample_step`` on its
-own row with its own constants and random key, so the token a request samples never depends on its
-neighbours' random draws. The step shape (B slots, ``capacity`` positions) is fixed for a run, so the
+Sampling is one batched call per step for every slot (``batch_sampler.SlotSampler``): each slot's
+settings, random key and penalty state are per-row arrays written when a request takes the slot, and
+a row's token and logprobs never depend on its neighbours (on the CPU they are bitwise what
+``sampler.sample_step`` gives the request alone on that row); a batch of plain greedy requests takes
+the step's argmax. The step shape (B slots, ``capacity`` positions) is fixed for a run, so the
 arithmetic a request sees does not depend on which requests share the batch or how many of them are
 active (idle slots run on zeros); it differs from batch-1 decoding in the last bits because
 different matmul shapes run (docs/BENCHMARKS.md measures how often greedy completions differ).
 
 The step is ``mx.compile``d per ``(layer kinds, B)`` (``engine.compile``; "auto" as in sequential
 mode) with everything that changes per step passed as arrays.
+
+On MLX's CUDA backend, for the families ``cuda.BatchedDecoder`` runs (Llama, Mistral, Qwen2 with fused
+q/k/v projections) over dense layers (full or rotating), the step goes through it instead (``path``
+"cuda-batched"): the model's own modules for the norms, projections and MLP, and per layer two custom
+kernels, RoPE at each row's position with the new key/value written into the buffers in place, and the
+attention over each row's filled slots only. The buffers come back unchanged (the same arrays); the
+generic step (``path`` "generic") stays everywhere else, and on CUDA the reason is logged once.
 """
 
 from __future__ import annotations
@@ -27,17 +43,19 @@ import os
 from collections.abc import Iterable, Iterator
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import JobSpecError, RowError
+from ..models.base import output_logits
+from .batch_sampler import SlotSampler
+from .cache import KVCache, RotatingKVCache
+from .cuda import BatchedDecoder, batched_blocker
 from .params import Generation
 from .request import Decoding, Request
-from .sampler import SamplerKind, sample_step
 from .sequential import Engine
 from .views import BatchView, stored_slots, layer_capacity, layer_kind, position_bytes
 
-
-def _is_plain_greedy(kind: SamplerKind) -> bool:
-    return kind.greedy and not kind.penalties and not kind.suppress and kind.logprobs is None
+PREFILL_MIN_BUCKET = 16  # shortest padded length of a group prefill (tokens)
 
 
 def memory_limit() -> tuple[int, str]:
@@ -87,22 +105,34 @@ class BatchEngine:
         batch_size: slots B (>= 1).
         max_positions: prompt + generated tokens any request may need; sets the buffers' capacity
             (``views.layer_capacity``: a power-of-two bucket >= 256, at most a layer's window).
+        prefill_batch: prefill requests admitted together in one forward per length bucket (module
+            docstring); None: on when MLX's default device is a GPU.
+
+    Attributes:
+        prefill_counts: prefill forwards run so far, per padded length (None: a prompt prefilled alone).
 
     Memory: ``kv_bytes()`` = B x capacity x ``position_bytes`` summed over layers, allocated at the first
-    request and kept for the run.
+    request and kept for the run; a group prefill's caches hold ``prefill_step_size`` positions per
+    bucket.
     """
 
-    def __init__(self, engine: Engine, batch_size: int, max_positions: int):
+    def __init__(self, engine: Engine, batch_size: int, max_positions: int, prefill_batch: bool | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.engine = engine
         self.B = batch_size
         self.max_positions = max_positions
+        self.prefill_batch = mx.default_device().type == mx.gpu if prefill_batch is None else bool(prefill_batch)
+        self._groups: dict[int, list] = {}
+        self.prefill_counts: dict[int | None, int] = {}  # prefill forwards run, per padded length (None: alone)
         self.kinds = tuple(layer_kind(c, layer_capacity(c, max_positions)) for c in engine.cache)
         self.starts = tuple(getattr(c, "start", 0) if c.bits is not None else 0 for c in engine.cache)
         self.buffers: list | None = None
         self._closures: dict[tuple, object] = {}
         self.trace_count = 0
+        self.cuda_step = True  # False: the generic step even where the CUDA one can run (to compare them)
+        self._generic_why = batched_blocker(engine.model, self.kinds)
+        self.decoder = BatchedDecoder(engine.model, self.kinds) if self._generic_why is None else None
 
     def slot_bytes(self) -> int:
         """Bytes of one slot's KV buffers (all layers, keys and values, ``capacity`` positions each).
@@ -125,9 +155,20 @@ class BatchEngine:
 
     @property
     def compiled(self) -> bool:
-        return bool(self.engine.compile)
+        return bool(self.engine.compile) and self.path == "generic"
+
+    @property
+    def path(self) -> str:
+        """The decode step ``run`` uses: "cuda-batched" (``cuda.BatchedDecoder``, never ``mx.compile``d) or
+        "generic" (the model over ``BatchView`` s)."""
+        return "cuda-batched" if self.decoder is not None and self.cuda_step else "generic"
 
     def _step_fn(self):
+        if self.path == "cuda-batched":
+            return self._cuda_step_fn()
+        if mx.cuda.is_available():
+            why = self._generic_why or "BatchEngine.cuda_step is off"
+            self.engine.note(f"batched decode through the generic step: {why}", kind="batched-step")
         key = (self.kinds, self.starts, self.B, self.compiled)
         if key not in self._closures:
             model, kinds, starts = self.engine.model, self.kinds, self.starts
@@ -146,10 +187,10 @@ class BatchEngine:
             self._closures[key] = mx.compile(step) if self.compiled else step
         return self._closures[key]
 
-    def _allocate(self) -> None:
-        """Zero batch buffers shaped after the (already used) batch-1 caches."""
+    def _allocate(self, caches) -> None:
+        """Zero batch buffers shaped after ``caches`` (the batch-1 or group caches a prefill just used)."""
         bufs = []
-        for kind, start, c in zip(self.kinds, self.starts, self.engine.cache):
+        for kind, start, c in zip(self.kinds, self.starts, caches):
             _, H, k_dim, v_dim, dtype = c.buffer_geometry()
             for dim in (k_dim, v_dim):
                 shape = (self.B, H, kind.capacity)
@@ -160,7 +201,25 @@ class BatchEngine:
                     bufs.append(((mx.zeros((*shape, dim), dtype),) if start else ()) + quant)
                 else:
                     bufs.append(mx.zeros((*shape, dim), dtype))
+        if self.path == "cuda-batched":  # its kernels write into these arrays: materialized, row-contiguous
+            mx.eval(bufs)
         self.buffers = bufs
+
+    def _cuda_step_fn(self):
+        """``step(tokens, pos, active, *buffers)`` through ``cuda.BatchedDecoder``: returns ``(logits,
+        greedy, pos + active, *buffers)`` like the generic step, the buffers the same arrays (written in
+        place). The attention grid covers each layer's capacity (no host bound is known per step); a row
+        works only on its own filled slots."""
+        key = ("cuda-batched", self.kinds, self.B)
+        if key not in self._closures:
+            dec = self.decoder
+
+            def step(tokens, pos, active, *buffers):
+                logits = dec.step(tokens, pos, None, buffers).astype(mx.float32)
+                return (logits, mx.argmax(logits, axis=-1).astype(mx.uint32), pos + active, *buffers)
+
+            self._closures[key] = step
+        return self._closures[key]
 
     def _load_slot(self, b: int) -> None:
         """Copy the batch-1 caches (just prefilled) into slot ``b``; the rest of the slot becomes zeros."""
@@ -187,21 +246,97 @@ class BatchEngine:
                     new.append(d)
                 self.buffers[2 * i + j] = tuple(new) if isinstance(dst, tuple) else new[0]
 
+    def _load_group(self, slots: list[int], caches, rows: list[int], lengths: list[int]) -> None:
+        """Copy rows ``rows`` of group caches (dense, ``size`` slots per row, ``lengths`` real positions
+        each) into batch slots ``slots``, one scatter per buffer; a slot's positions after its prompt
+        become zeros."""
+        take = mx.array(rows, dtype=mx.int32)
+        at = mx.array(slots, dtype=mx.int32)
+        for i, (kind, c) in enumerate(zip(self.kinds, caches)):
+            size = c.keys.shape[2]
+            real = (mx.arange(size)[None, :] < mx.array(lengths)[:, None])[:, None, :, None]
+            for j, src in enumerate((c.keys, c.values)):
+                part = mx.where(real, src[take], mx.zeros((), src.dtype))
+                if kind.capacity > size:
+                    pad = mx.zeros((len(rows), part.shape[1], kind.capacity - size, part.shape[3]), part.dtype)
+                    part = mx.concatenate([part, pad], axis=2)
+                dst = self.buffers[2 * i + j]
+                dst[at] = part
+                self.buffers[2 * i + j] = dst
+
     # -- requests --------------------------------------------------------------------------------------
 
-    def _admit(self, req: Request) -> Decoding | Generation:
-        """Prefill ``req`` and sample its first token; a ``Generation`` if it already finished.
+    # -- prefill -------------------------------------------------------------------------------------
 
-        Raises:
-            RowError: the request cannot run (``Decoding``'s checks, or more positions than the batch's).
-        """
+    def prefill_bucket(self, n: int) -> int | None:
+        """The padded length a prompt of ``n`` tokens is prefilled at together with others, or None when
+        it is prefilled alone (``prefill_batch`` off, more than ``prefill_step_size`` tokens, a quantized
+        layer, or a padded prompt longer than a rotating layer's window)."""
+        step = self.engine.prefill_step_size
+        if not self.prefill_batch or n > step or any(k.quantized for k in self.kinds):
+            return None
+        size = PREFILL_MIN_BUCKET
+        while size < n:
+            size *= 2
+        size = min(size, step)
+        return None if any(c.max_size is not None and size > c.max_size for c in self.engine.cache) else size
+
+    def prefill_rows(self, size: int) -> int:
+        """Rows of every group prefill at padded length ``size``: ``prefill_step_size // size`` (fixed,
+        so a prompt's arithmetic never depends on how many others share its forward)."""
+        return max(1, self.engine.prefill_step_size // size)
+
+    def warm_up_lengths(self) -> list[int]:
+        """One prompt length per group-prefill shape a job can meet (every bucket up to
+        ``prefill_step_size`` that leaves room for a few new tokens in ``max_positions``), for a warm-up
+        that compiles them all; ``[8]`` when no prompt is prefilled in a group."""
+        step, fits = self.engine.prefill_step_size, self.max_positions - 4
+        sizes, n = {step}, PREFILL_MIN_BUCKET
+        while n < step:
+            sizes.add(n)
+            n *= 2
+        out = sorted(n for n in sizes if n <= fits and self.prefill_bucket(n) == n)
+        return out or [max(1, min(8, fits))]
+
+    def _group_caches(self, size: int) -> list:
+        """Dense caches of ``size`` slots per row for a group prefill (one set per padded length, reused)."""
+        caches = self._groups.get(size)
+        if caches is None:
+            caches = [KVCache() if c.max_size is None else RotatingKVCache(c.max_size) for c in self.engine.cache]
+            for c in caches:
+                c.step = size  # room for exactly the padded prompt
+            self._groups[size] = caches
+        for c in caches:
+            c.reset()
+        return caches
+
+    def _prefill(self, group: list[Decoding], size: int | None) -> tuple[list, list, list[int]]:
+        """Prefill ``group`` (one request when ``size`` is None, else up to ``prefill_rows(size)`` requests
+        padded to ``size`` tokens, in ONE forward of ``prefill_rows(size)`` rows) and sample each one's first
+        token. Returns ``(firsts, caches, rows)``: ``(token id, logprob arrays)`` per request, the caches
+        holding their keys and values, and each request's row in them.
+
+        Padding goes after a prompt, so under the causal mask no real position sees it; the keys and values
+        it leaves after the prompt are never copied into a slot."""
         eng = self.engine
-        d = Decoding(eng, req.prompt_ids, req.params, capacity=self.max_positions, tag=req.tag)
-        eng.reset()
-        y, extras = d.begin(eng.prefill(mx.array(req.prompt_ids, dtype=mx.uint32)))
-        mx.eval(y, *extras, *d.state)
-        done = d.push(y.item(), extras)
-        return self._finish(d, done) if done else d
+        if size is None:
+            d = group[0]
+            eng.reset()
+            logits = eng.prefill(mx.array(d.prompt_ids, dtype=mx.uint32))
+            caches, rows = eng.cache, [0]
+        else:
+            n_rows = self.prefill_rows(size)
+            tokens = np.zeros((n_rows, size), dtype=np.uint32)
+            for i, d in enumerate(group):
+                tokens[i, : d.n_prompt] = d.prompt_ids
+            caches = self._group_caches(size)
+            h = eng.model.model(mx.array(tokens), caches)
+            last = mx.array([d.n_prompt - 1 for d in group] + [0] * (n_rows - len(group)), dtype=mx.int32)
+            logits = output_logits(eng.model, mx.take_along_axis(h, last[:, None, None], axis=1), False)[:, 0, :]
+            rows = list(range(len(group)))
+        firsts = [d.begin(logits[r : r + 1]) for d, r in zip(group, rows)]
+        mx.eval([y for y, _ in firsts], [e for _, ex in firsts for e in ex], [x for d in group for x in d.state])
+        return [(y.item(), ex) for y, ex in firsts], caches, rows
 
     def _finish(self, d: Decoding, done: tuple) -> Generation:
         return d.finish(done, compiled=self.compiled)
@@ -212,55 +347,86 @@ class BatchEngine:
 
         Requests are pulled from ``requests`` only when a slot is free, so a caller can stop feeding
         (e.g. on SIGINT) and the requests in flight still finish.
+
+        Raises:
+            Exception: whatever a prefill or step raises that is not a request's own problem (a bug, a model
+                error); raised by a prefill, it carries ``request_tags``: the tags of the requests being
+                prefilled, then of those decoding.
         """
         source = iter(requests)
         slots: list[Decoding | None] = [None] * self.B
         exhausted = False
         mx.reset_peak_memory()
 
-        def fill(b: int, pending_out: list) -> Decoding | None:
-            """Admit requests into slot ``b`` until one needs decoding (or the source runs out)."""
+        pending: list[Decoding] = []  # checked requests waiting for their prefill (at most one per free slot)
+
+        def admit(out: list, decoding: bool) -> set[int]:
+            """Prefill requests into the free slots; returns the slots that got one. While other slots are
+            ``decoding``, at most one prefill forward runs (they wait for no more than one chunk)."""
             nonlocal exhausted
-            while not exhausted:
-                req = next(source, None)
-                if req is None:
-                    exhausted = True
-                    return None
+            filled: set[int] = set()
+            forwards = 0
+            while True:
+                free = [b for b in range(self.B) if slots[b] is None]
+                while len(pending) < len(free) and not exhausted:
+                    req = next(source, None)
+                    if req is None:
+                        exhausted = True
+                        break
+                    try:
+                        pending.append(Decoding(self.engine, req.prompt_ids, req.params, capacity=self.max_positions,
+                                                tag=req.tag))
+                    except RowError as e:
+                        out.append((req.tag, e))
+                if not pending or not free or (decoding and forwards):
+                    return filled
+                size = self.prefill_bucket(pending[0].n_prompt)
+                group = [pending.pop(0)]
+                if size is not None:
+                    limit = min(self.prefill_rows(size), len(free))
+                    for d in list(pending):
+                        if len(group) < limit and self.prefill_bucket(d.n_prompt) == size:
+                            group.append(d)
+                            pending.remove(d)
                 try:
-                    got = self._admit(req)
-                except RowError as e:
-                    pending_out.append((req.tag, e))
-                    continue
-                if isinstance(got, Generation):
-                    pending_out.append((req.tag, got))
+                    firsts, caches, rows = self._prefill(group, size)
+                except Exception as e:  # a bug or a model error: name the rows it hit first, then those decoding
+                    e.request_tags = [d.tag for d in group] + [s.tag for s in slots if s is not None]
+                    raise
+                forwards += 1
+                self.prefill_counts[size] = self.prefill_counts.get(size, 0) + 1
+                seated = []
+                for d, (tok, extras), r in zip(group, firsts, rows):
+                    done = d.push(tok, extras)
+                    if done:
+                        out.append((d.tag, self._finish(d, done)))
+                    else:
+                        seated.append((free.pop(0), d, r))
+                if not seated:
                     continue
                 if self.buffers is None:
-                    self._allocate()
-                self._load_slot(b)
-                return got
-            return None
+                    self._allocate(caches)
+                if size is None:
+                    self._load_slot(seated[0][0])
+                else:
+                    self._load_group([b for b, _, _ in seated], caches, [r for _, _, r in seated],
+                                     [d.n_prompt for _, d, _ in seated])
+                for b, d, _ in seated:
+                    slots[b] = d
+                    filled.add(b)
 
         out: list = []
-        for b in range(self.B):
-            slots[b] = fill(b, out)
+        admit(out, decoding=False)
         yield from out
         step = self._step_fn()
+        sampling = SlotSampler(self.B)  # every slot's sampling settings and state, for this run
 
         def launch(tokens: mx.array, pos: mx.array, active: mx.array):
             """Queue one decode step for every slot; returns its lazy ``(tokens, positions, extras)``."""
             logits, greedy, pos, *bufs = step(tokens, pos, active, *self.buffers)
             self.buffers = bufs
-            per_slot, extras = {}, {}
-            for b, s in enumerate(slots):
-                if s is not None and not _is_plain_greedy(s.kind):
-                    per_slot[b], s.state, extras[b] = sample_step(s.kind, logits[b : b + 1], s.consts, s.state)
-            nxt = greedy
-            if per_slot:
-                picked = mx.concatenate([per_slot[b] if b in per_slot else mx.zeros((1,), mx.uint32)
-                                         for b in range(self.B)])
-                nxt = mx.where(mx.array([b in per_slot for b in range(self.B)]), picked, greedy)
-            states = [x for b in per_slot for x in slots[b].state]
-            mx.async_eval(nxt, pos, *self.buffers, *states, *(x for e in extras.values() for x in e))
+            nxt, extras = sampling.step(slots, logits, greedy)  # one batched sampling call for every slot
+            mx.async_eval(nxt, pos, *self.buffers, *sampling.arrays(), *extras.arrays)
             return nxt, pos, extras
 
         def host_vectors():
@@ -286,9 +452,12 @@ class BatchEngine:
                 done = s.push(toks[b], current[2].get(b, ()))
                 if done:
                     out.append((s.tag, self._finish(s, done)))
-                    slots[b] = fill(b, out)  # a new request's prefill overwrites the slot, step t + 1's write included
+                    slots[b] = None
                     fresh.add(b)
             skip = set()
+            if None in slots and (pending or not exhausted):
+                # a new request's prefill overwrites its slot, step t + 1's write included
+                fresh |= admit(out, decoding=any(s is not None for s in slots))
             if fresh:
                 host_tokens, host_pos, active = host_vectors()
                 if ahead is None:  # every slot ended at step t: start again from the host's view

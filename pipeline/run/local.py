@@ -7,8 +7,10 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from ..engine import BatchEngine, Request
-from ..engine.batch import check_kv_memory
+import mlx.core as mx
+
+from ..engine import BatchEngine, Engine, Request
+from ..engine.batch import check_kv_memory, memory_limit
 from ..errors import RowError
 from ..inputs import InputRow
 from ..jobspec import GenerationSpec, JobSpec
@@ -96,9 +98,53 @@ def generate_row(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int
     return sample_result(s, g, time.perf_counter() - t0)
 
 
+# engine.batch_size: auto's upper bounds. GPU: the measured knee of the H200's batched curve (../shared/GPU.md
+# and docs/BENCHMARKS.md, Llama-3.2-1B fp16, 256-512 random prompts x 128 tokens: ours 6,467-6,563 tok/s at
+# B=64, 7,664 at B=128, 7,666-8,408 at B=256; the real 1,024-prompt job 1,448 at B=64, 3,247 at B=256), the
+# largest B measured there: past it more slots mostly add KV memory and per-step latency. CPU: on 2 cores the
+# default model ran 3.9x the sequential loop at B=8 (docs/BENCHMARKS.md), the largest B measured on a CPU; a
+# CPU step's matmul work grows with B (few cores, no idle launch time to fill), so more slots are expected to
+# add latency and memory more than throughput (not measured).
+AUTO_BATCH_GPU = 256
+AUTO_BATCH_CPU = 8
+
+
+def auto_batch_cap() -> int:
+    """``engine.batch_size: auto``'s upper bound on this process's device: ``AUTO_BATCH_CPU`` on the CPU,
+    else ``AUTO_BATCH_GPU``."""
+    return AUTO_BATCH_CPU if mx.default_device() == mx.cpu else AUTO_BATCH_GPU
+
+
+def load_batch_size(job: JobSpec) -> int:
+    """The ``batch_size`` the model is loaded for (the dequantize rule and the decode path depend on it):
+    ``engine.batch_size``, or for "auto" its upper bound ``auto_batch_cap()`` (the size it resolves to is
+    known only once every prompt is built, ``auto_batch_size``)."""
+    return auto_batch_cap() if job.engine.batch_size == "auto" else job.engine.batch_size
+
+
+def auto_batch_size(engine: Engine, positions: int, max_kv_memory_gb: float | None) -> tuple[int, str]:
+    """``engine.batch_size: auto``: the most slots of ``positions`` positions whose KV buffers fit the
+    limit ``batch.check_kv_memory`` enforces (``batch.memory_limit()``, and ``engine.max_kv_memory_gb``
+    when set), at most ``auto_batch_cap()``, at least 1 (``check_kv_memory`` then refuses a batch of
+    which not even one slot fits).
+
+    Returns:
+        (slots, why): ``why`` is one line for the log, e.g. ``1843 slots for up to 640 positions fit in
+        the GPU's memory; at most 256 on a GPU``.
+    """
+    per_slot = BatchEngine(engine, 1, positions).slot_bytes()
+    limit, what = memory_limit()
+    if max_kv_memory_gb is not None and int(max_kv_memory_gb * 1e9) < limit:
+        limit, what = int(max_kv_memory_gb * 1e9), f"engine.max_kv_memory_gb ({max_kv_memory_gb:g})"
+    fits = max(limit // per_slot, 0)
+    cap = auto_batch_cap()
+    return max(1, min(fits, cap)), (f"{fits} slots for up to {positions} positions fit in {what}; at most {cap} "
+                                    f"on {'the CPU' if cap == AUTO_BATCH_CPU else 'a GPU'}")
+
+
 def load_job_model(job: JobSpec, path: Path) -> LoadedModel:
     """The job's model from its resolved ``path``, with the job's engine and cache settings (in this
-    process, or in a Ray actor).
+    process, or in a Ray actor); ``engine.batch_size: auto`` loads for ``load_batch_size``.
 
     Raises:
         GGUFError, ModelDirError, ConfigError, WeightsError: the model cannot be loaded.
@@ -106,7 +152,7 @@ def load_job_model(job: JobSpec, path: Path) -> LoadedModel:
     """
     lm = load_model(job.model, dtype=job.engine.dtype, dequantize=job.engine.dequantize,
                     prefill_step_size=job.engine.prefill_step_size, cache_spec=job.cache,
-                    compile=job.engine.compile, path=path, batch_size=job.engine.batch_size,
+                    compile=job.engine.compile, path=path, batch_size=load_batch_size(job),
                     fused=job.engine.fused)
     if job.input.apply_chat_template and not lm.tokenizer.chat_template:
         raise TokenizerError(f"model {job.model!r} has no chat template; set input.apply_chat_template: false")
@@ -115,20 +161,25 @@ def load_job_model(job: JobSpec, path: Path) -> LoadedModel:
 
 def generate_samples(lm: LoadedModel, job: JobSpec, samples, record: Callable[[Result], None],
                      stopping: Callable[[], bool] = lambda: False, *, planned=None, positions: int | None = None,
-                     warm_up: Callable[[BatchEngine | None], None] | None = None) -> int:
+                     batch_size: int | None = None, warm_up: Callable[[BatchEngine | None], None] | None = None,
+                     note: Callable[[str], None] = lambda _line: None) -> int:
     """Generate ``samples`` ((row, sample index, settings) triples, as ``plan_samples`` gives them) as a
     job does, calling ``record`` with each ``Result``: one at a time in order, or with continuous batching
-    when ``engine.batch_size`` > 1 (``_run_batched``; rows then finish out of order). Once ``stopping()``
-    is true no new row starts. Returns the compiled closures a batch engine built (0 when sequential).
+    when ``engine.batch_size`` is > 1 or "auto" (``_run_batched``; rows then finish out of order). Once
+    ``stopping()`` is true no new row starts. Returns the compiled closures a batch engine built (0 when
+    sequential).
 
     Args:
         planned: every sample of the job (batched mode sizes its slots from all of them), or None when
             ``positions`` is given.
         positions: batched mode's slot capacity, ``batch_capacity(lm, job, planned)``, when computed
             elsewhere (a Ray actor runs a slice of the job).
+        batch_size: batched mode's slots when resolved elsewhere (``engine.batch_size: auto`` on Ray,
+            ``auto_batch_size``); None: ``engine.batch_size``, "auto" resolved here.
         warm_up: called once before the first generation with the engine that will run it: None for
             sequential decoding, the ``BatchEngine`` for batched (``LoadedModel.warm_up(batch)`` warms
-            exactly that path); not called when no sample reaches the engine.
+            exactly that path; its ``B`` is the batch size used); not called when no sample reaches the engine.
+        note: called with a line worth showing: the size "auto" resolved to, and why.
 
     Raises:
         JobSpecError: batched mode's KV buffers would exceed ``engine.max_kv_memory_gb`` or the device's memory.
@@ -136,7 +187,7 @@ def generate_samples(lm: LoadedModel, job: JobSpec, samples, record: Callable[[R
             becomes its ``error`` column); the rows recorded before it are finished.
     """
     if lm.engine.path.name == "batched":
-        return _run_batched(lm, job, planned, samples, record, stopping, positions, warm_up)
+        return _run_batched(lm, job, planned, samples, record, stopping, positions, warm_up, batch_size, note)
     prompt_of = (None, None)  # (row index, its Prompt or RowError): samples of a row share it
     for row, k, gen in samples:
         if stopping():
@@ -182,10 +233,11 @@ def batch_capacity(lm: LoadedModel, job: JobSpec, planned) -> int:
 
 
 def _run_batched(lm: LoadedModel, job: JobSpec, planned, pending, record: Callable[[Result], None],
-                 stopping: Callable[[], bool], positions: int | None = None, warm_up=None) -> int:
-    """Generate ``pending`` samples with continuous batching (``engine.batch_size`` slots), calling
-    ``record`` with each result as it finishes (rows come out of input order). Returns the compiled
-    closures the batch engine built.
+                 stopping: Callable[[], bool], positions: int | None = None, warm_up=None,
+                 batch_size: int | None = None, note: Callable[[str], None] = lambda _line: None) -> int:
+    """Generate ``pending`` samples with continuous batching (``batch_size``, else ``engine.batch_size``
+    slots, "auto" resolved by ``auto_batch_size``), calling ``record`` with each result as it finishes (rows
+    come out of input order). Returns the compiled closures the batch engine built.
 
     Every prompt of the job (``planned``, committed rows included) is built first, unless ``positions``
     is given: the longest prompt + max_tokens sets the slots' capacity (``batch_capacity``), so every
@@ -208,7 +260,10 @@ def _run_batched(lm: LoadedModel, job: JobSpec, planned, pending, record: Callab
     positions = seen if positions is None else positions
     engine = None
     if samples:
-        engine = BatchEngine(lm.engine, job.engine.batch_size, positions)
+        if batch_size is None and job.engine.batch_size == "auto":
+            batch_size, why = auto_batch_size(lm.engine, positions, job.engine.max_kv_memory_gb)
+            note(f"engine.batch_size auto: {batch_size} ({why})")
+        engine = BatchEngine(lm.engine, batch_size or job.engine.batch_size, positions)
         check_kv_memory(engine, job.engine.max_kv_memory_gb)
     for s in failed:
         record(s.failed)
@@ -226,8 +281,11 @@ def _run_batched(lm: LoadedModel, job: JobSpec, planned, pending, record: Callab
             started.append(i)
             yield Request(i, s.ids, s.params)
 
-    for i, g in _guarded(engine.run(requests()), lambda: [(samples[j].row.id, samples[j].index)
-                                                          for j in reversed(started) if j not in done]):
+    def in_flight(first=None) -> list[tuple]:
+        order = first if first is not None else [j for j in reversed(started) if j not in done]
+        return [(samples[j].row.id, samples[j].index) for j in order]
+
+    for i, g in _guarded(engine.run(requests()), in_flight):
         done.add(i)
         s = samples[i]
         record(sample_result(s, g, s.prep_s + (g.total_s if not isinstance(g, RowError) else 0.0),
@@ -235,10 +293,13 @@ def _run_batched(lm: LoadedModel, job: JobSpec, planned, pending, record: Callab
     return engine.closure_count
 
 
-def _guarded(results: Iterator, in_flight: Callable[[], list[tuple]]) -> Iterator:
+def _guarded(results: Iterator, in_flight: Callable[..., list[tuple]]) -> Iterator:
     """``results`` (a ``BatchEngine.run``), with what it raises (the engine yields a row's ``RowError``,
-    never raises it) as a ``GenerationError`` naming ``in_flight()``, the rows in flight then."""
+    never raises it) as a ``GenerationError`` naming the rows in flight then: ``in_flight(tags)`` for the
+    requests the error names (``request_tags``, set by a failed prefill: the culprits first), else
+    ``in_flight()`` (every row started and not back, the latest first)."""
     try:
         yield from results
     except Exception as e:
-        raise GenerationError.of(e, in_flight()) from e
+        tags = getattr(e, "request_tags", None)
+        raise GenerationError.of(e, in_flight(tags) if tags is not None else in_flight()) from e

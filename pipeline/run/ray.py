@@ -9,8 +9,9 @@ then) before it writes anything in the output directory; sizes the actors for th
 
 1. cuts the pending samples, in input order, into work units of ``ray.unit_rows`` and records the plan
    in the manifest (``ShardStore.plan_units``: a fresh ``unit-NNNNN.parquet`` name per unit);
-2. in batched mode (``engine.batch_size`` > 1) computes the slot capacity once, in a Ray task, from
-   every prompt of the job as local mode does (``local.batch_capacity``), so the rows are the same;
+2. in batched mode (``engine.batch_size`` > 1 or "auto") computes the slot capacity once, in a Ray task, from
+   every prompt of the job as local mode does (``local.batch_capacity``), so the rows are the same, and
+   there resolves "auto" to a number of slots (``local.auto_batch_size``) that every actor then uses;
 3. runs a Ray dataset with one block per unit through ``map_batches(_UnitWorker, batch_size=1,
    compute=ActorPoolStrategy(size=actors))``: each actor loads the model once and runs a unit exactly
    as local mode runs those samples (``local.generate_samples``: same seeds, prompts and engine), then
@@ -54,7 +55,7 @@ from ..resolve import resolve_model
 from ..results import result_schema, results_table
 from ..shards import ShardStore, disk_full, write_shard
 from .cluster import Cluster, DistributedError, actor_env, unit_rows
-from .local import batch_capacity, generate_samples, load_job_model
+from .local import auto_batch_size, batch_capacity, generate_samples, load_job_model
 
 UNIT_RETRIES = 3  # runs of a unit after its actor died, before the job fails
 
@@ -65,15 +66,21 @@ def _load(job: JobSpec, model_path: str):
     return load_job_model(job, Path(model_path) if Path(model_path).exists() else resolve_model(job.model))
 
 
-def _capacity(job: dict, model_path: str, planned: bytes) -> int:
-    """In a Ray task: batched mode's slot capacity from every sample of the job, with the KV memory
-    checked on the device that runs it (``local.batch_capacity``, ``batch.check_kv_memory``)."""
+def _capacity(job: dict, model_path: str, planned: bytes) -> tuple[int, int | None, str | None]:
+    """In a Ray task: ``(positions, slots, why)``: batched mode's slot capacity from every sample of the job
+    (``local.batch_capacity``) and the slots (``engine.batch_size``, or "auto" resolved by
+    ``local.auto_batch_size`` with its reason, else ``why`` None; both None when every sample fails before
+    the engine), the KV memory checked on the device that runs it (``batch.check_kv_memory``)."""
     spec = job_from_dict(job)
     lm = _load(spec, model_path)
     positions = batch_capacity(lm, spec, pickle.loads(planned))
-    if positions:
-        check_kv_memory(BatchEngine(lm.engine, spec.engine.batch_size, positions), spec.engine.max_kv_memory_gb)
-    return positions
+    slots, why = spec.engine.batch_size, None
+    if not positions:  # every sample fails before the engine: no batch runs
+        return positions, None, None
+    if slots == "auto":
+        slots, why = auto_batch_size(lm.engine, positions, spec.engine.max_kv_memory_gb)
+    check_kv_memory(BatchEngine(lm.engine, slots, positions), spec.engine.max_kv_memory_gb)
+    return positions, slots, why
 
 
 def _crash_after(unit: str, rows: int) -> int | None:
@@ -100,11 +107,13 @@ class _UnitWorker:
         out_dir: the output directory (absolute).
         id_type: "int64" or "string", the output ``id`` column's type.
         positions: batched mode's slot capacity (``_capacity``), else None.
+        batch_size: batched mode's slots (``_capacity``: "auto" resolved), else None.
     """
 
-    def __init__(self, job: dict, model_path: str, out_dir: str, id_type: str, positions: int | None):
+    def __init__(self, job: dict, model_path: str, out_dir: str, id_type: str, positions: int | None,
+                 batch_size: int | None = None):
         self.job = job_from_dict(job)
-        self.out_dir, self.positions, self.model_path = out_dir, positions, model_path
+        self.out_dir, self.positions, self.model_path, self.batch_size = out_dir, positions, model_path, batch_size
         self.schema = result_schema(pa.type_for_alias(id_type))
         self.lm = None
         self.name = f"{socket.gethostname()}:{os.getpid()}"
@@ -156,7 +165,7 @@ class _UnitWorker:
 
         t0 = time.perf_counter()
         closures = generate_samples(self.lm, self.job, samples, record, positions=self.positions,
-                                    warm_up=warm_up)
+                                    batch_size=self.batch_size, warm_up=warm_up)
         self.batch_closures = max(self.batch_closures, closures)
         results.sort(key=lambda r: order[(r.id, r.sample_index)])
         entry = write_shard(self.out_dir, unit, results_table(results, self.schema))
@@ -231,17 +240,23 @@ def run_units(cluster: Cluster, job: JobSpec, store: ShardStore, model_path: Pat
         remote = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "runtime_env": {"env_vars": actor_env(res)}}
         job_dict = job.to_dict()
         t0 = time.perf_counter()
-        positions = None
-        if job.engine.batch_size > 1:
+        positions, slots = None, 1
+        if job.engine.batch_size != 1:
             task = ray.remote(_capacity).options(max_retries=UNIT_RETRIES, **remote)
-            positions = ray.get(task.remote(job_dict, str(model_path), pickle.dumps(planned)))
+            positions, slots, why = ray.get(task.remote(job_dict, str(model_path), pickle.dumps(planned)))
+            if why is not None:
+                echo(f"engine.batch_size auto: {slots} ({why})")
+        if slots is not None:
+            summary.batch_size = slots
+            store.update_run(batch_size=slots)
         ds = ray.data.from_items([{"unit": n, "samples": pickle.dumps(u)} for n, u in zip(names, units)],
                                  override_num_blocks=len(units))
         ds = ds.map_batches(
             _UnitWorker, batch_size=1, batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
             fn_constructor_kwargs={"job": job_dict, "model_path": str(model_path), "out_dir": str(out_dir),
-                                   "id_type": str(id_type), "positions": positions},
+                                   "id_type": str(id_type), "positions": positions,
+                                   "batch_size": None if positions is None else slots},
             **remote)
 
         bar = tqdm(total=summary.rows_total, initial=summary.rows_skipped, unit="row", desc="generating",

@@ -28,8 +28,13 @@ rebuilt per step; the kernels are compiled once per shape by NVRTC and cached by
 Only the CUDA backend runs these kernels; ``fused_blocker`` says why a model or cache layout cannot
 (the engine then decodes as before, so Apple GPUs and CPUs keep the unfused path).
 
+``batched`` (``BatchedDecoder``) is the batched counterpart for ``BatchEngine``: MLX runs the projections,
+norms and MLP of B rows, two custom kernels per layer do RoPE at each row's position with the in-place
+K/V write, and the attention over each row's own filled slots (see its docstring; ``batched_blocker``).
+
 Layout: ``decoder`` (``FusedDecoder``: the Llama and Qwen2 layer; what the kernels read of the weights),
-``gemma3`` (``Gemma3Decoder``), ``sources`` (reads and fills in the CUDA text), ``kernels/`` (the CUDA:
+``gemma3`` (``Gemma3Decoder``), ``batched`` (``BatchedDecoder``), ``sources`` (reads and fills in the CUDA
+text), ``kernels/`` (the CUDA:
 ``common.cuh``, the device helpers of every kernel; one ``.cu`` file per kernel; ``calls.cu``, the
 helper calls they share; package data).
 Each decoder class names the HF ``model_type`` of the families it runs (``model_types``) and what it
@@ -41,10 +46,12 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache import KVCache, RotatingKVCache
+from .batched import BatchedDecoder, batched_blocker
 from .decoder import FusedDecoder, units_per_warp
 from .gemma3 import Gemma3Decoder
 
-__all__ = ["FusedDecoder", "Gemma3Decoder", "decoder_for", "fused_blocker", "model_blocker", "units_per_warp"]
+__all__ = ["BatchedDecoder", "FusedDecoder", "Gemma3Decoder", "batched_blocker", "decoder_for", "fused_blocker",
+           "model_blocker", "units_per_warp"]
 
 
 def _decoder_class(model) -> type[FusedDecoder]:
