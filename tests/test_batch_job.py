@@ -87,7 +87,7 @@ def test_sampled_batched_runs_do_not_depend_on_batch_size(tmp_path):
 
 def test_kv_memory_check_refuses_before_writing(tmp_path):
     model = write_tiny_model(tmp_path / "tiny")
-    job = job_file(tmp_path, "out", batch_size=8, model=model, limit=4, engine={"max_kv_memory_gb": 0.0005})
+    job = job_file(tmp_path, "out", batch_size=8, model=model, limit=8, engine={"max_kv_memory_gb": 0.0005})
     proc = run_cli("run", str(job), "--no-progress", expect=2)
     assert "engine.batch_size 8 needs" in proc.stderr and "use engine.batch_size <= " in proc.stderr
     assert len(without_machine_warnings(proc.stderr)) == 1
@@ -95,9 +95,9 @@ def test_kv_memory_check_refuses_before_writing(tmp_path):
     # the limit the message suggests fits
     fits = int(proc.stderr.rsplit("use engine.batch_size <= ", 1)[1].split(",")[0])
     assert 1 <= fits < 8
-    job = job_file(tmp_path, "out", batch_size=fits, model=model, limit=4, engine={"max_kv_memory_gb": 0.0005})
+    job = job_file(tmp_path, "out", batch_size=fits, model=model, limit=8, engine={"max_kv_memory_gb": 0.0005})
     run_cli("run", str(job), "--no-progress")
-    assert len(rows_of(tmp_path / "out")) == 4
+    assert len(rows_of(tmp_path / "out")) == 8
 
 
 # --- engine.batch_size: auto (tiny random model, in-process) ---------------------------------------------
@@ -131,6 +131,13 @@ def test_batch_size_auto_resolves_logs_and_records(tiny_inputs, tmp_path, capsys
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["runs"][-1]["batch_size"] == cap and manifest["fingerprint"]["engine"]["batch_size"] == "auto"
     assert set(read_output(tmp_path / "out").column("batch_size").to_pylist()) == {cap}
+
+
+def test_a_job_gets_no_more_slots_than_samples(tiny_inputs, tmp_path, capsys):
+    summary = run_job(tiny_job(tiny_inputs, tmp_path / "out", batch_size=64), echo=lambda _m: None)
+    assert summary.rows_written == 10 and summary.batch_size == 10
+    assert "engine.batch_size 64: the job has 10 samples, so 10 slots" in capsys.readouterr().err
+    assert set(read_output(tmp_path / "out").column("batch_size").to_pylist()) == {10}
 
 
 def test_batch_size_auto_takes_what_the_memory_limit_allows(tiny_inputs, tmp_path):

@@ -236,7 +236,8 @@ def _run_batched(lm: LoadedModel, job: JobSpec, planned, pending, record: Callab
                  stopping: Callable[[], bool], positions: int | None = None, warm_up=None,
                  batch_size: int | None = None, note: Callable[[str], None] = lambda _line: None) -> int:
     """Generate ``pending`` samples with continuous batching (``batch_size``, else ``engine.batch_size``
-    slots, "auto" resolved by ``auto_batch_size``), calling ``record`` with each result as it finishes (rows
+    slots, "auto" resolved by ``auto_batch_size``; at most one slot per sample of the job, ``planned``,
+    committed ones included, so every run of a job decodes with the same B), calling ``record`` with each result as it finishes (rows
     come out of input order). Returns the compiled closures the batch engine built.
 
     Every prompt of the job (``planned``, committed rows included) is built first, unless ``positions``
@@ -263,7 +264,12 @@ def _run_batched(lm: LoadedModel, job: JobSpec, planned, pending, record: Callab
         if batch_size is None and job.engine.batch_size == "auto":
             batch_size, why = auto_batch_size(lm.engine, positions, job.engine.max_kv_memory_gb)
             note(f"engine.batch_size auto: {batch_size} ({why})")
-        engine = BatchEngine(lm.engine, batch_size or job.engine.batch_size, positions)
+        batch_size = batch_size or job.engine.batch_size
+        total = len(planned) if planned is not None and hasattr(planned, "__len__") else None
+        if total is not None and 0 < total < batch_size:  # idle slots compute like busy ones
+            note(f"engine.batch_size {batch_size}: the job has {total} samples, so {total} slots")
+            batch_size = total
+        engine = BatchEngine(lm.engine, batch_size, positions)
         check_kv_memory(engine, job.engine.max_kv_memory_gb)
     for s in failed:
         record(s.failed)
