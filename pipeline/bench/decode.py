@@ -23,7 +23,7 @@ from ..loader import compute_dtype
 from .peer import _peer_generate, load_peer, peer_windows
 from .settings import BenchError, _cache_spec, _check_context, parse_cache_kind
 from .shapes import _kv_layout, _load_ours, kv_read_bytes, weight_format, weight_read_bytes
-from .tables import _row_line, emit, result_document
+from .tables import _row_line, emit, result_document, same_format_peer
 from .throughput import run_batch_bench
 from .timing import _gen_record, _time_row
 
@@ -169,12 +169,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
             continue
         p = next((r for r in rows if r["impl"] == "mlx-lm" and r["cache"] == row["cache"]
                   and r["prompt_tokens"] == row["prompt_tokens"]), None)
-        if p is not None and p["weights"] != row["weights"]:
-            note = (f"no x_peer: ours ran {row['weights']} weights, mlx-lm {p['weights']} "
-                    "(a ratio across weight formats compares kernels, not engines)")
-            if note not in notes:
-                notes.append(note)
-            p = None
+        p = same_format_peer(row, p, notes)
         if p is None:
             row["vs_peer"] = None
             continue

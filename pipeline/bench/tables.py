@@ -109,6 +109,18 @@ def _row_line(row: dict) -> str:
             f"decode {_fmt(m['decode_tps'], '.1f')} tok/s (median of {len(row['trials'])})")
 
 
+def same_format_peer(row: dict, peer: dict | None, notes: list[str], where: str = "") -> dict | None:
+    """``peer`` (mlx-lm's row matching ``row``) when both ran the same weight format, else None, with a note
+    (once in ``notes``) saying why no ratio is given; ``where`` prefixes the note (e.g. "B=64: ")."""
+    if peer is not None and peer["weights"] != row["weights"]:
+        note = (f"{where}no x_peer: ours ran {row['weights']} weights, mlx-lm {peer['weights']} "
+                "(a ratio across weight formats compares kernels, not engines)")
+        if note not in notes:
+            notes.append(note)
+        return None
+    return peer
+
+
 def sampling_label(temperature: float, top_p: float) -> str:
     """``greedy``, or ``temperature 0.8, top_p 0.95`` (top_p left out when 1: off)."""
     if temperature == 0:

@@ -26,7 +26,7 @@ from ..tokenizer import Tokenizer
 from .peer import PeerTokenizer, _peer_batch, load_peer, peer_sampler
 from .settings import BenchError, _cache_spec, _check_context, parse_cache_kind
 from .shapes import _load_ours, weight_format
-from .tables import _batch_row_line, emit, result_document
+from .tables import _batch_row_line, emit, result_document, same_format_peer
 from .timing import _job_record, _time_job
 
 WARMUP_TOKENS = 8  # new tokens per prompt in a batch row's warm-up run
@@ -301,12 +301,7 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
             continue
         p = next((r for r in rows if r["impl"] == "mlx-lm" and r["cache"] == row["cache"]
                   and r["batch_size"] == row["batch_size"]), None)
-        if p is not None and p["weights"] != row["weights"]:
-            note = (f"B={row['batch_size']}: no x_peer: ours ran {row['weights']} weights, mlx-lm {p['weights']} "
-                    "(a ratio across weight formats compares kernels, not engines)")
-            if note not in notes:
-                notes.append(note)
-            p = None
+        p = same_format_peer(row, p, notes, f"B={row['batch_size']}: ")
         row["ratio_vs_peer"] = row["median"]["job_tps"] / p["median"]["job_tps"] if p else None
         seq = next((r for r in rows if r["impl"] == "pipeline" and r["variant"] == "sequential"
                     and r["cache"] == row["cache"] and r["compile"] == row["compile"]), None)

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .sampler import NEG_INF, SamplerConsts, SamplerKind, SamplerState, filter_ranked
+from .sampler import NEG_INF, SamplerConsts, SamplerKind, SamplerState, adjusted_logits, filter_ranked
 
 _split_rows = mx.vmap(mx.random.split)  # (B, 2) keys -> (B, 2, 2): each row's (next key, subkey)
 _uniform_rows = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))  # (B, 2) keys -> (B, 1)
@@ -132,15 +132,10 @@ def sample_batch(kind: BatchKind, logits: mx.array, consts: SamplerConsts, state
         ``kind.logprobs`` in its order, alternatives in descending order, for every row (``StepLogprobs``
         gives each row its own k's pair).
     """
-    inv_t, top_k, top_p, min_p, rep, presence, frequency, min_tokens, suppress = consts
+    inv_t, top_k, top_p, min_p = consts[:4]
     key, seen, counts, n_out = state
     raw = logits.astype(mx.float32)
-    x = raw
-    if kind.penalties:
-        x = mx.where(seen, mx.where(x > 0, x / rep, x * rep), x)
-        x = x - presence * (counts > 0) - frequency * counts
-    if kind.suppress:
-        x = mx.where(suppress & (n_out < min_tokens), NEG_INF, x)
+    x = adjusted_logits(kind, raw, consts, state)
     if kind.greedy:
         best = argmax if argmax is not None and x is raw else mx.argmax(x, axis=-1)
     if kind.sampled:

@@ -158,6 +158,23 @@ def _filtered_sample(logits: mx.array, top_k, top_p, min_p, key) -> mx.array:
     return mx.where(pick == 0, mx.argmax(logits, axis=-1), token)
 
 
+def adjusted_logits(kind, raw: mx.array, consts, state) -> mx.array:
+    """``raw`` float32 logits ``(rows, vocab)`` after the repetition, presence and frequency penalties and
+    the ``min_tokens`` suppression of stop ids, where ``kind`` (a ``SamplerKind``, or anything with its
+    ``penalties`` and ``suppress`` flags) turns them on; ``raw`` itself when neither is. ``consts`` and
+    ``state``: ``SamplerConsts`` / ``SamplerState`` of one request, or per-row ``(rows, ...)`` arrays that
+    broadcast against ``raw``."""
+    rep, presence, frequency, min_tokens, suppress = consts[4:]
+    _, seen, counts, n_out = state
+    x = raw
+    if kind.penalties:
+        x = mx.where(seen, mx.where(x > 0, x / rep, x * rep), x)
+        x = x - presence * (counts > 0) - frequency * counts
+    if kind.suppress:
+        x = mx.where(suppress & (n_out < min_tokens), NEG_INF, x)
+    return x
+
+
 def sample_step(kind: SamplerKind, logits: mx.array, consts, state):
     """Pick the next token.
 
@@ -172,15 +189,10 @@ def sample_step(kind: SamplerKind, logits: mx.array, consts, state):
         when off, else ``(chosen (1,) float32, top_ids (1, k) uint32, top_logprobs (1, k) float32)``
         of the raw distribution, alternatives in descending order.
     """
-    inv_t, top_k, top_p, min_p, rep, presence, frequency, min_tokens, suppress = consts
+    inv_t, top_k, top_p, min_p = consts[:4]
     key, seen, counts, n_out = state
     raw = logits.astype(mx.float32)
-    x = raw
-    if kind.penalties:
-        x = mx.where(seen, mx.where(x > 0, x / rep, x * rep), x)
-        x = x - presence * (counts > 0) - frequency * counts
-    if kind.suppress:
-        x = mx.where(suppress & (n_out < min_tokens), NEG_INF, x)
+    x = adjusted_logits(kind, raw, consts, state)
     if kind.greedy:
         token = mx.argmax(x, axis=-1)
     else:
