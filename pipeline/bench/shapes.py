@@ -135,7 +135,8 @@ def load_weights(model: str | None, random: str | None, dtype: mx.Dtype, seed: i
 def _read(model: str | None, random: str | None, dtype: mx.Dtype, seed: int = 0):
     """``load_weights``'s triple and the model's ``Tokenizer`` (None for random weights)."""
     if (model is None) == (random is None):
-        raise BenchError("give a MODEL or --random SHAPE (not both)")
+        raise BenchError("give a MODEL or --random SHAPE" if model is None else
+                         "give a MODEL or --random SHAPE, not both")
     if random is not None:
         if random not in RANDOM_SHAPES:
             raise BenchError(f"unknown random shape {random!r} (known: {', '.join(PUBLIC_SHAPES)})")
