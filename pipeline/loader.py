@@ -12,6 +12,7 @@ import numpy as np
 from . import _blas
 from .engine.compiled import warn_if_no_cpu_compile
 from .engine import Engine, GenerateParams, Request
+from .engine.batch import device_memory
 from .gguf import read_gguf
 from .modeldir import model_files, read_model_dir, weight_files
 from .models import FAMILIES, build_model, dequantize_model, dequantized_nbytes
@@ -78,14 +79,13 @@ def should_dequantize(model, dtype: mx.Dtype, batch_size: int = 1) -> bool:
       (4 GiB). Measured on a 2-core x86_64 CPU, float32 576x576: OpenBLAS GEMV ~50 us vs MLX's 4-bit
       quantized GEMV ~300 us; a 40-row GEMM ~0.3 ms vs ~11 ms.
     - GPU: dequantize for batched decoding (``batch_size`` > 1) when the expanded weights take at most a
-      quarter of the device's memory; batch-1 decoding keeps the 4-bit weights (a GEMV reads 4x fewer
+      quarter of the device's memory (``engine.batch.device_memory``); batch-1 decoding keeps the 4-bit weights (a GEMV reads 4x fewer
       bytes). Measured on an H200 (mlx 0.32.4, docs/BENCHMARKS.md): at 64 rows MLX's 4-bit matmul
       (``qmm``) took 84% of a Llama-3.2-1B decode step (1,447 tok/s); float16 weights ran 6,467 tok/s.
     """
     if mx.default_device() == mx.cpu:
         return _blas.LOADED is not None and dequantized_nbytes(model, dtype) <= DEQUANTIZE_MAX_BYTES
-    memory = mx.device_info().get("memory_size", 0)
-    return batch_size > 1 and dequantized_nbytes(model, dtype) <= memory // 4
+    return batch_size > 1 and dequantized_nbytes(model, dtype) <= (device_memory() or 0) // 4
 
 
 def prepare_model(model, dtype: mx.Dtype, dequantize: str | bool = "auto", batch_size: int = 1,

@@ -3,6 +3,9 @@ model (same rows, same schema, greedy completions equal at the measured rate), s
 the batch size, the KV memory check refusing a batch that does not fit before anything is written, and
 ``batch_size: auto`` resolving to what fits (tiny random model)."""
 
+import pipeline  # noqa: F401  (loads OpenBLAS before mlx.core, as in real runs)
+
+import mlx.core as mx
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -172,3 +175,25 @@ def test_auto_batch_size_is_the_fit_capped(tiny_inputs, monkeypatch):
     monkeypatch.setattr(local, "memory_limit", lambda: (10**15, "the test's memory"))
     b, why = local.auto_batch_size(lm.engine, 100, (2 * per_slot + 5) / 1e9)  # max_kv_memory_gb below the device's
     assert b == 2 and "engine.max_kv_memory_gb" in why
+
+
+@pytest.mark.parametrize("info", [{"memory_size": 8 * 2**30, "architecture": "applegpu_g15s"},  # Metal's keys
+                                  {"total_memory": 8 * 2**30, "device_name": "NVIDIA H200"}])  # CUDA's (MLX 0.32.4)
+def test_the_gpu_memory_is_read_from_metal_and_cuda_device_info(info, monkeypatch):
+    """The dequantize rule and the KV memory limit read the GPU's memory under either backend's key (under
+    CUDA a missing ``memory_size`` once kept every batched GPU job on 4-bit weights)."""
+    from pipeline import loader
+    from pipeline.engine import batch
+
+    monkeypatch.setattr(mx, "device_info", lambda: dict(info))
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(mx, "get_active_memory", lambda: 0)
+    assert batch.device_memory() == 8 * 2**30
+    assert batch.memory_limit() == (int(0.9 * 8 * 2**30), "the GPU's memory")
+    monkeypatch.setattr(loader, "dequantized_nbytes", lambda model, dtype: 2 * 2**30)
+    assert loader.should_dequantize(None, mx.float16, batch_size=64)  # a quarter of 8 GiB fits 2 GiB
+    assert not loader.should_dequantize(None, mx.float16, batch_size=1)
+    monkeypatch.setattr(loader, "dequantized_nbytes", lambda model, dtype: 3 * 2**30)
+    assert not loader.should_dequantize(None, mx.float16, batch_size=64)
+    monkeypatch.setattr(mx, "device_info", lambda: {})
+    assert batch.device_memory() is None and batch.memory_limit()[1] == "the machine's memory"

@@ -15,8 +15,9 @@ import pytest
 
 from pipeline.engine import GenerateParams, Generation
 from pipeline.engine.batch import BatchEngine, Request
-from pipeline.engine.batch_sampler import BatchKind, SlotSampler, _draw, _row_sums, _split_rows, _uniform_rows
-from pipeline.engine.sampler import SamplerKind, sample_step, sampler_consts, sampler_state
+from pipeline.engine.batch_sampler import BatchKind, SlotSampler, _split_rows, _uniform_rows
+from pipeline.engine.cuda import sample as cuda_sample
+from pipeline.engine.sampler import SamplerKind, draw, keep_mask, sample_step, sample_tokens, sampler_consts, sampler_state, token_mass
 from test_batch import MAX_POSITIONS, PROMPTS, VOCAB, assert_same_generation, engine_for, llama, run_all  # noqa: F401
 
 V = 96
@@ -105,25 +106,102 @@ def assert_rows_equal(seats, out, last, where):
 
 
 def test_mlx_random_per_row_ops_vectorize_exactly():
-    """What ``_draw`` relies on: vmapped split / uniform are the per-row calls, and the inverse-CDF draw
-    is ``mx.random.categorical`` on each row alone (masked rows, an all -inf row, a large vocabulary)."""
-    for vocab in (V, 49152, 151936):
-        B = 6
-        keys = mx.stack([mx.random.key(s) for s in range(B)])
-        x = mx.array(np.random.default_rng(vocab).normal(size=(B, vocab)).astype(np.float32) * 4)
-        x = mx.where(mx.array(np.random.default_rng(1).random((B, vocab)) < 0.6) & (mx.arange(B)[:, None] % 2 == 1),
-                     -mx.inf, x)
-        x[4] = -mx.inf
-        split, uniform, drawn = _split_rows(keys), _uniform_rows(keys), _draw(x, keys)
-        w = mx.exp(x - mx.max(x, axis=-1, keepdims=True))
-        sums = _row_sums(w)  # bitwise the whole-array sum of each row on the CPU (not so for MLX's CUDA reduction)
-        exact = mx.default_device() == mx.cpu
-        for b in range(B):
-            if exact:
-                assert mx.array_equal(sums[b, 0], mx.sum(w[b]), equal_nan=True).item()  # row 4 (all -inf): NaN
-                assert drawn[b].item() == mx.random.categorical(x[b : b + 1], key=keys[b]).item(), (vocab, b)
-            assert mx.array_equal(split[b], mx.random.split(keys[b])).item()
-            assert mx.array_equal(uniform[b], mx.random.uniform(shape=(1,), key=keys[b])).item()
+    """What the batched sampler relies on: vmapped split / uniform are the per-row calls."""
+    keys = mx.stack([mx.random.key(s) for s in range(6)])
+    split, uniform = _split_rows(keys), _uniform_rows(keys)
+    for b in range(6):
+        assert mx.array_equal(split[b], mx.random.split(keys[b])).item()
+        assert mx.array_equal(uniform[b], mx.random.uniform(shape=(1,), key=keys[b])).item()
+
+
+def filter_rows(vocab: int, B: int = 12, seed: int = 0):
+    """``B`` rows of scaled logits ``(B, vocab)`` float32 (some with -inf entries, one all -inf, ties from
+    float16 rounding and at the max) and per-row settings ``(top_k, top_p, min_p)`` ``(B, 1)`` each, neutral
+    in some rows, and uniforms ``u`` ``(B, 1)``."""
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(B, vocab)) * rng.uniform(0.5, 6, size=(B, 1))).astype(np.float32)
+    x[1::3] = x[1::3].astype(np.float16).astype(np.float32)  # many exactly equal values
+    x[2, [7, 3, 90]] = x[2].max() + 1  # a three-way tie at the top
+    x[4][rng.random(vocab) < 0.6] = -np.inf
+    x[5] = -np.inf
+    top_k = np.array([vocab, 1, 5, vocab, 40, vocab, 2, vocab, 17, vocab, 3, vocab], np.int32)[:B, None]
+    top_p = np.array([2.0, 2.0, 0.9, 0.5, 0.95, 2.0, 2.0, 1e-6, 0.8, 0.999, 2.0, 0.3], np.float32)[:B, None]
+    min_p = np.array([0, 0, 0, 0.05, 0, 0, 0.2, 0, 0.01, 0, 0, 0], np.float32)[:B, None]
+    u = rng.random((B, 1)).astype(np.float32)
+    u[0] = 0.0
+    u[3] = np.float32(1 - 2 ** -24)
+    return tuple(mx.array(a) for a in (x, top_k, top_p, min_p, u))
+
+
+@pytest.mark.parametrize("vocab", [V, 49152, 128256])
+def test_sampled_rows_equal_each_row_alone(vocab):
+    """``sample_tokens`` over many rows gives each row the token it gets alone (the MLX ops on the CPU; the
+    CUDA kernel on a GPU), with and without filters."""
+    x, top_k, top_p, min_p, u = filter_rows(vocab)
+    for filters in (False, True):
+        rows = sample_tokens(x, top_k, top_p, min_p, u, filters)
+        alone = [sample_tokens(x[b : b + 1], top_k[b], top_p[b], min_p[b], u[b : b + 1], filters).item()
+                 for b in range(x.shape[0])]
+        assert np.array(rows).tolist() == alone
+
+
+def kept_reference(x: np.ndarray, top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The kept ids of one row by the definition, in Python integers: the stable descending ranking, min_p on
+    ``exp(x - max)``, the first top_k, then the first ranks whose preceding kept fixed-point mass is below
+    ``floor(top_p * 2**24)`` 2**-24-ths of the total."""
+    m = x.max()
+    w = np.exp(x - m) if np.isfinite(m) else (x == m).astype(np.float32)
+    mass = [int(np.float32(v) * np.float32(2.0 ** 40)) for v in w.astype(np.float32)]
+    order = sorted(range(len(x)), key=lambda i: (-x[i], i))
+    first = [i for r, i in enumerate(order) if w[i] >= min_p and r < top_k]
+    total, frac = sum(mass[i] for i in first), max(int(np.float32(top_p) * np.float32(2 ** 24)), 1)
+    bound = (total >> 24) * frac + (((total & (2 ** 24 - 1)) * frac) >> 24)
+    kept, above = set(), 0
+    for i in first:
+        if above < bound:
+            kept.add(i)
+        above += mass[i]
+    return kept | {order[0]}
+
+
+def test_keep_mask_and_draw_by_definition():
+    """The filters keep what their definition keeps (ties cut in id order), and over a grid of uniforms every
+    kept token is drawn in proportion to its mass, nothing else ever."""
+    x, top_k, top_p, min_p, u = filter_rows(V)
+    w, mass = token_mass(x)
+    keep = np.array(keep_mask(x, w, mass, top_k, top_p, min_p))
+    xs = np.array(x)
+    for b in range(xs.shape[0]):
+        ref = kept_reference(xs[b], int(top_k[b].item()), float(top_p[b].item()), float(min_p[b].item()))
+        assert set(np.flatnonzero(keep[b]).tolist()) == ref, b
+    n = 4096
+    grid = mx.array((np.arange(n) / n).astype(np.float32)[:, None])
+    for b in (0, 2, 3, 8):
+        tokens = np.array(draw(mx.broadcast_to(mass[b : b + 1], (n, V)), mx.broadcast_to(mx.array(keep[b : b + 1]), (n, V)),
+                               grid))
+        kept_mass = np.where(keep[b], np.array(mass[b]), 0).astype(np.float64)
+        counts = np.bincount(tokens, minlength=V)
+        assert set(np.flatnonzero(counts).tolist()) <= set(np.flatnonzero(keep[b]).tolist())
+        assert np.all(np.abs(counts - n * kept_mass / kept_mass.sum()) <= 1.0 + 1e-9), b
+
+
+@pytest.mark.skipif(cuda_sample.sample_kernel(mx.zeros((1, 4))) is None, reason="the CUDA sampling kernel (MLX CUDA)")
+@pytest.mark.parametrize("vocab", [V, 49152, 128256])
+def test_cuda_sampling_kernel_equals_the_mlx_ops(vocab, monkeypatch):
+    """The kernel's tokens are the MLX ops' (run on the GPU with the kernel off) for the same rows: same kept
+    set, same draw; the masses come from exp on both sides, so the two could only part where CUDA's expf and
+    MLX's exp round one logit differently at a cut."""
+    same = total = 0
+    for seed in range(4):
+        x, top_k, top_p, min_p, u = filter_rows(vocab, seed=seed)
+        for filters in (False, True):
+            got = np.array(sample_tokens(x, top_k, top_p, min_p, u, filters))
+            monkeypatch.setattr(cuda_sample, "ENABLED", False)
+            ref = np.array(sample_tokens(x, top_k, top_p, min_p, u, filters))
+            monkeypatch.setattr(cuda_sample, "ENABLED", True)
+            same += int((got == ref).sum())
+            total += got.size
+    assert same == total, f"{total - same} of {total} tokens differ"
 
 
 def test_neutral_penalties_and_suppress_leave_logits_bitwise_unchanged():
@@ -168,7 +246,7 @@ def test_batched_rows_equal_each_request_alone_in_any_composition(vocab):
 def test_batch_kind_is_the_union_and_plain_greedy_builds_nothing():
     kinds = [Seat(i, p).kind for i, p in enumerate(MIXED)]
     union = BatchKind.of(kinds)
-    assert union == BatchKind(greedy=True, sampled=True, unfiltered=True, filters=True, penalties=True, suppress=True,
+    assert union == BatchKind(greedy=True, sampled=True, filters=True, penalties=True, suppress=True,
                               logprobs=(0, 1, 2, 3, 5))
     assert BatchKind.of(kinds[:1]).plain and not BatchKind.of(kinds[:2]).plain
     assert BatchKind.of([kinds[4]]) == BatchKind(greedy=False, sampled=True, filters=True)
@@ -181,7 +259,7 @@ def test_batch_kind_is_the_union_and_plain_greedy_builds_nothing():
     assert ss.state.seen.shape == (3, 1) and ss.consts.suppress.shape == (3, 1)  # no (B, vocab) state
     seats[1] = Seat(2, MIXED[2])  # a sampled request takes the idle slot; a penalty one replaces slot 0
     tok, _ = ss.step(seats, logits, argmax)
-    assert tok is not argmax and ss.kind == BatchKind(greedy=True, sampled=True, unfiltered=True)
+    assert tok is not argmax and ss.kind == BatchKind(greedy=True, sampled=True)
     seats[0] = Seat(6, MIXED[6])
     ss.step(seats, logits, argmax)
     assert ss.kind.penalties and ss.state.seen.shape == (3, V)

@@ -61,7 +61,8 @@ def test_run_prints_load_and_warmup_lines_on_stderr(tiny, tmp_path, capsys):
     n = describe_model(str(tiny))["parameters"]
     size = f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}K"
     loaded = [i for i, ln in enumerate(lines) if re.fullmatch(
-        rf"loaded {re.escape(str(tiny))} \(llama, {re.escape(size)} parameters\) in \d+\.\d s", ln)]
+        rf"loaded {re.escape(str(tiny))} \(llama, {re.escape(size)} parameters, (float32|\d-bit g\d+) weights\) in \d+\.\d s",
+        ln)]
     warmed = [i for i, ln in enumerate(lines) if re.fullmatch(r"warmed up in \d+\.\d s", ln)]
     assert len(loaded) == 1 and len(warmed) == 1 and loaded[0] < warmed[0], captured.err
     assert any("generating" in ln and "tok/s" in ln for ln in lines[warmed[0]:]), captured.err  # the bar after them

@@ -14,7 +14,8 @@ import pytest
 from mlx_lm import sample_utils
 
 from pipeline.engine import GenerateParams
-from pipeline.engine.sampler import SamplerKind, filter_ranked, sample_step, sampler_consts, sampler_state
+from pipeline.engine.sampler import (SamplerKind, draw, keep_mask, sample_step, sampler_consts, sampler_state,
+                                     token_mass)
 
 V = 64
 
@@ -41,8 +42,9 @@ def _greedy(logits):
 def _kept(logits, top_k=0, top_p=1.0, min_p=0.0):
     p = GenerateParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
     _, top_k_a, top_p_a, min_p_a, *_ = sampler_consts(p, logits.shape[-1], ())
-    order, _, keep = filter_ranked(logits.astype(mx.float32), top_k_a, top_p_a, min_p_a)
-    return set(np.array(order)[np.array(keep)].tolist())
+    x = logits.astype(mx.float32)
+    keep = keep_mask(x, *token_mass(x), top_k_a, top_p_a, min_p_a)
+    return set(np.flatnonzero(np.array(keep)[0]).tolist())
 
 
 def _finite(x):

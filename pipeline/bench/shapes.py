@@ -18,6 +18,7 @@ from ..gguf import read_gguf
 from ..loader import model_identity, prepare_model
 from ..modeldir import read_model_dir
 from ..models import FAMILIES, build_model
+from ..models.base import weight_format  # noqa: F401  (the bench modules take it from here)
 from ..resolve import resolve_model
 from ..tokenizer import Tokenizer
 from .settings import BenchError
@@ -191,21 +192,6 @@ def _load_ours(model: str | None, random: str | None, dtype: mx.Dtype, dequantiz
     dequantized = prepare_model(ours, dtype, dequantize, batch_size)
     return BenchModel(config, weights, source, ours, dtype, dequantize, dequantized, time.perf_counter() - t,
                       tokenizer)
-
-
-def weight_format(model: nn.Module) -> str:
-    """How ``model``'s matrices (its Linear and Embedding layers) are stored: ``"4-bit g64"`` (affine
-    quantized: 4 bits, groups of 64 elements; another ``mode`` is named after it), ``"float16"`` (dense),
-    or the kinds present joined by ``" + "`` (sorted) when layers differ. Norms and biases are left out
-    (always dense). Two runs compare like for like only when their formats are equal."""
-    kinds = set()
-    for _, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            mode = getattr(m, "mode", "affine")
-            kinds.add(f"{m.bits}-bit g{m.group_size}" + ("" if mode == "affine" else f" {mode}"))
-        elif isinstance(m, (nn.Linear, nn.Embedding)):
-            kinds.add(str(m.weight.dtype).removeprefix("mlx.core."))
-    return " + ".join(sorted(kinds))
 
 
 def weight_read_bytes(model: nn.Module) -> int:

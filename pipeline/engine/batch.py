@@ -58,13 +58,20 @@ from .views import BatchView, stored_slots, layer_capacity, layer_kind, position
 PREFILL_MIN_BUCKET = 16  # shortest padded length of a group prefill (tokens)
 
 
+def device_memory() -> int | None:
+    """The device's memory in bytes as MLX reports it, or None where it reports none: ``mx.device_info()``'s
+    ``memory_size`` (Metal) or ``total_memory`` (CUDA: MLX 0.32.4 gives no ``memory_size`` there)."""
+    info = mx.device_info()
+    return info.get("memory_size") or info.get("total_memory") or None
+
+
 def memory_limit() -> tuple[int, str]:
     """``(bytes, what)``: memory a batched job may give its KV buffers: 90% of the device's memory
-    (``mx.device_info()["memory_size"]`` on a GPU; physical RAM on the CPU) minus what MLX holds now
-    (the loaded weights)."""
-    info = mx.device_info()
-    total = info.get("memory_size") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    what = "the GPU's memory" if "memory_size" in info else "the machine's memory"
+    (``device_memory()``; physical RAM where MLX reports none) minus what MLX holds now (the loaded
+    weights)."""
+    total = device_memory()
+    what = "the GPU's memory" if total else "the machine's memory"
+    total = total or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(0.9 * total) - int(mx.get_active_memory()), what
 
 

@@ -9,19 +9,15 @@ alone on the same logits row, whatever its neighbours are:
 
 - every op is row-wise: elementwise with the row's own ``(B, 1)`` settings, or a reduction, scan or
   sort along the vocabulary. A part only some rows need runs on the others with neutral values
-  (repetition 1, presence and frequency 0, nothing seen or suppressed), which leave their logits
-  bitwise unchanged, and which pick a row takes (argmax, unfiltered or filtered draw) is a ``where``.
+  (repetition 1, presence and frequency 0, nothing seen or suppressed; top_k the vocabulary, top_p 2,
+  min_p 0), which leave their logits bitwise unchanged and keep every token, and which pick a row
+  takes (argmax or draw) is a ``where``.
 - a sampling row splits its own key (``mx.vmap`` of ``mx.random.split``, bitwise the per-row call);
-  greedy rows keep theirs, as in ``sample_step``.
-- ``mx.random.categorical`` on one ``(1, V)`` row, as ``sample_step`` calls it, takes MLX's
-  inverse-CDF path (``categorical_inverse_cdf`` in mlx/random.cpp, since mlx 0.32.1): one
-  ``uniform((1,), key)`` times the sum of ``w = exp(x - max)``, located in the exclusive cumsum of
-  ``w`` by ``searchsorted(side="right") - 1``. searchsorted cannot be vmapped over the sequence, so
-  ``_draw`` runs the same ops per row and counts the cdf entries ``<= u`` instead (the cdf never
-  decreases, so the count is searchsorted's index); the uniform is the vmapped per-row call, and
-  the sum of ``w`` is a row reduction (``_row_sums``: bitwise the whole-array sum on the CPU; on
-  MLX's CUDA backend it may differ in the last bits, so a draw there can differ from batch-1
-  sampling, never with the neighbours).
+  greedy rows keep theirs, as in ``sample_step``; its uniform is the vmapped per-row
+  ``mx.random.uniform``.
+- the draw (``sampler.sample_tokens``) sums token masses as int64 fixed point, exact in any order, so
+  no backend's reduction order can change a row's token; on CUDA one kernel does the filters and the
+  draw for every row (``pipeline/engine/cuda/sample.py``), batch-1 sampling there too.
   ``tests/test_batch_sampling.py`` checks this against ``sample_step`` row by row.
 
 The top-k logprob alternatives are computed once per distinct k of the batch (usually one: a job
@@ -38,7 +34,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .sampler import NEG_INF, SamplerConsts, SamplerKind, SamplerState, adjusted_logits, filter_ranked
+from .sampler import SamplerConsts, SamplerKind, SamplerState, adjusted_logits, sample_tokens
 
 _split_rows = mx.vmap(mx.random.split)  # (B, 2) keys -> (B, 2, 2): each row's (next key, subkey)
 _uniform_rows = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))  # (B, 2) keys -> (B, 1)
@@ -51,7 +47,6 @@ class BatchKind:
     Attributes:
         greedy: some row takes the argmax.
         sampled: some row draws (temperature > 0).
-        unfiltered: some drawing row has no min_p / top_k / top_p.
         filters: some drawing row has one (a sort of the vocabulary).
         penalties: some row has a repetition, presence or frequency penalty.
         suppress: some row masks stop ids until ``min_tokens``.
@@ -61,7 +56,6 @@ class BatchKind:
 
     greedy: bool = True
     sampled: bool = False
-    unfiltered: bool = False
     filters: bool = False
     penalties: bool = False
     suppress: bool = False
@@ -72,7 +66,6 @@ class BatchKind:
         kinds = list(kinds)
         ks = tuple(sorted({k.logprobs for k in kinds if k.logprobs is not None}))
         return cls(greedy=any(k.greedy for k in kinds), sampled=any(not k.greedy for k in kinds),
-                   unfiltered=any(not k.greedy and not k.filters for k in kinds),
                    filters=any(k.filters for k in kinds), penalties=any(k.penalties for k in kinds),
                    suppress=any(k.suppress for k in kinds), logprobs=ks or None)
 
@@ -86,29 +79,7 @@ class RowFlags(NamedTuple):
     """Which pick each row takes, ``(B,)`` bool each (set on admission, like the consts)."""
 
     greedy: mx.array  # argmax (idle slots too: their keys are left alone)
-    filtered: mx.array  # a drawing row that draws through ``filter_ranked``
     penalized: mx.array  # seen / counts are updated with the row's token
-
-
-def _row_sums(w: mx.array) -> mx.array:
-    """Each row's sum ``(B, 1)`` of ``w`` ``(B, V)``: one row reduction. On MLX's CPU backend it is bitwise
-    ``mx.sum`` of that row alone (a whole-array reduction, which categorical's inverse-CDF path runs): both
-    use the same loop (``contiguous_reduce`` in mlx/backend/cpu/reduce.cpp). Its CUDA backend adds a row in
-    another order than a whole array (``row_reduce`` vs ``all_reduce``, mlx/backend/cuda/reduce.cu; on an
-    H200 about 0.1% of draws differed from batch-1 sampling), as its batched matmuls already differ from
-    batch 1 in the last bits; a row's sum still never depends on the other rows (one block per row).
-    Summing each row alone there cost B launches per step (B=256 sampled: 0.42x greedy)."""
-    return mx.sum(w, axis=-1, keepdims=True)
-
-
-def _draw(x: mx.array, sub: mx.array) -> mx.array:
-    """``mx.random.categorical(x[b : b + 1], key=sub[b])`` for every row ``b`` of ``x`` ``(B, V)``
-    float32 at once (module docstring); returns ``(B,)`` uint32."""
-    m = mx.max(x, axis=-1, keepdims=True)
-    w = mx.where(mx.isinf(m), (x == m).astype(mx.float32), mx.exp(x - m))
-    cdf = mx.cumsum(w, axis=-1, inclusive=False)
-    u = _uniform_rows(sub) * _row_sums(w)
-    return (mx.sum(cdf <= u, axis=-1) - 1).astype(mx.uint32)
 
 
 def sample_batch(kind: BatchKind, logits: mx.array, consts: SamplerConsts, state: SamplerState, flags: RowFlags,
@@ -141,18 +112,7 @@ def sample_batch(kind: BatchKind, logits: mx.array, consts: SamplerConsts, state
     if kind.sampled:
         split = _split_rows(key)
         key, sub = mx.where(flags.greedy[:, None], key, split[:, 0]), split[:, 1]
-        xs = x * inv_t
-        if kind.filters:
-            order, ranked, keep = filter_ranked(xs, top_k, top_p, min_p)
-            pick = _draw(mx.where(keep, ranked, NEG_INF), sub)
-            filtered = mx.take_along_axis(order, pick[:, None].astype(mx.int32), axis=-1)[:, 0]
-            filtered = mx.where(pick == 0, mx.argmax(xs, axis=-1), filtered)
-        if kind.unfiltered:
-            token = _draw(xs, sub)
-            if kind.filters:
-                token = mx.where(flags.filtered, filtered, token)
-        else:
-            token = filtered
+        token = sample_tokens(x * inv_t, top_k, top_p, min_p, _uniform_rows(sub), kind.filters)
         if kind.greedy:
             token = mx.where(flags.greedy, best, token)
     else:
@@ -278,7 +238,6 @@ class SlotSampler:
                                     self._suppress if self._suppress is not None else mx.zeros((self.B, 1), mx.bool_))
         k = self.kinds
         self.flags = RowFlags(mx.array([x is None or x.greedy for x in k]),
-                              mx.array([x is not None and x.filters for x in k]),
                               mx.array([x is not None and x.penalties for x in k]))
 
     def _allocate(self, vocab: int) -> None:

@@ -8,10 +8,25 @@ order, sharding, resume, or what ran before in the process.
 Order of operations (vLLM ``v1/sample/sampler.py``): logits are upcast to float32; repetition,
 presence and frequency penalties; ``min_tokens`` suppression of stop tokens; greedy takes the argmax
 here. Otherwise the logits are divided by the temperature, then min_p filters on the full
-distribution, top_k keeps the k most likely, top_p keeps the smallest set whose renormalized
-probability reaches top_p, and a token is drawn with ``mx.random.categorical``. The most likely token
-always survives filtering, so top_k=1 or a tiny top_p equals greedy (ties broken to the lowest id, as
-``argmax``). Logprobs are of the raw model distribution (vLLM's default ``raw_logprobs``).
+distribution, top_k keeps the k most likely, top_p keeps the smallest set of most likely tokens whose
+renormalized probability reaches top_p, and a token is drawn from what is left. Logprobs are of the
+raw model distribution (vLLM's default ``raw_logprobs``).
+
+How a token is drawn (``token_mass``, ``keep_mask``, ``draw``), the same for every request and setting,
+on one row or many, and as one CUDA kernel (``pipeline/engine/cuda/sample.py``) that gives the same
+token as these MLX ops for the same masses:
+
+- A token's probability mass is ``w = exp(x - max(x))`` in fixed point: ``floor(w * 2**40)`` as an int64
+  (``MASS_BITS``). Sums of masses are integer sums, exact in any order, so a row's result does not
+  depend on how a backend orders a reduction, nor on the other rows of a batch.
+- The filters cut the ranking of a stable descending sort (ties in id order, as argmax breaks them):
+  min_p keeps ``w >= min_p``; top_k the first k; top_p the first ranks whose preceding kept mass (of
+  what min_p and top_k left) is below ``top_p`` of their total (``top_p`` in 2**-24 steps). Rank 0 always
+  survives, so top_k=1 or a tiny top_p equals greedy.
+- The draw: ``u`` uniform in [0, 1) from the request's key, ``t = floor(Z * floor(u * 2**24) / 2**24)``
+  for the kept mass ``Z``, and the token is the first id (in id order) whose inclusive cumulative kept
+  mass exceeds ``t``: ``P(id) = mass(id) / Z``. Tokens with ``w < 2**-40`` (``p < 1e-12 * p_max``) get no
+  mass and are never drawn.
 """
 
 from __future__ import annotations
@@ -132,30 +147,76 @@ def sampler_state(kind: SamplerKind, seed: int, prompt_ids, vocab_size: int) -> 
     return SamplerState(mx.random.key(seed), seen, mx.zeros((size,), dtype=mx.float32), mx.array(0, dtype=mx.int32))
 
 
-def filter_ranked(logits: mx.array, top_k, top_p, min_p) -> tuple[mx.array, mx.array, mx.array]:
-    """min_p, then top_k, then top_p over ``logits`` ``(1, V)`` float32 (already temperature-scaled).
+MASS_BITS = 40  # fixed-point bits of a token's mass w = exp(x - max) in [0, 1]; V * 2**40 < 2**58 for V <= 2**18
+FRACTION_BITS = 24  # bits of the fractions top_p and u that scale a total mass (float32 has a 24-bit mantissa)
+
+
+def token_mass(x: mx.array, values: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """Each token's mass relative to the row's most likely one, for ``x`` ``(rows, V)`` float32.
+
+    Args:
+        values: a permutation of each row of ``x`` (e.g. sorted), to get the same numbers for those
+            tokens in that order; None: ``x`` itself.
 
     Returns:
-        ``(order, ranked, keep)``: ids in descending logit order ``(1, V)`` (ties in id order), the
-        logits in that order, and the bool mask of ranks kept (always a prefix, never empty).
+        ``(w, mass)``: ``w = exp(x - max)`` ``(rows, V)`` float32 (a row whose max is infinite: 1 where ``x`` is
+        the max, else 0), and ``floor(w * 2**MASS_BITS)`` ``(rows, V)`` int64.
     """
-    order = mx.argsort(-logits, axis=-1)  # stable: ties stay in id order, as argmax breaks them
-    ranked = mx.take_along_axis(logits, order, axis=-1)
-    rank = mx.arange(ranked.shape[-1])
-    probs = mx.softmax(ranked, axis=-1)
-    keep = (probs >= min_p * probs[:, :1]) & (rank < top_k)
-    kept = mx.softmax(mx.where(keep, ranked, NEG_INF), axis=-1)
-    keep = keep & ((mx.cumsum(kept, axis=-1) - kept) < top_p)
-    return order, ranked, keep | (rank == 0)
+    m = mx.max(x, axis=-1, keepdims=True)
+    v = x if values is None else values
+    w = mx.where(mx.isinf(m), (v == m).astype(mx.float32), mx.exp(v - m))
+    return w, (w * float(1 << MASS_BITS)).astype(mx.int64)
 
 
-def _filtered_sample(logits: mx.array, top_k, top_p, min_p, key) -> mx.array:
-    """Draw from ``logits`` after ``filter_ranked``; rank 0 maps to ``argmax`` so a sort that broke
-    ties differently could never make top_k=1 differ from greedy."""
-    order, ranked, keep = filter_ranked(logits, top_k, top_p, min_p)
-    pick = mx.random.categorical(mx.where(keep, ranked, NEG_INF), key=key)
-    token = mx.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
-    return mx.where(pick == 0, mx.argmax(logits, axis=-1), token)
+def scale_mass(total: mx.array, fraction: mx.array) -> mx.array:
+    """``floor(total * fraction / 2**24)``, exact in int64: ``total`` ``(rows, 1)`` int64 below 2**58,
+    ``fraction`` ``(rows, 1)`` int64 at most 2**25 (a probability times 2**24)."""
+    hi, lo = mx.right_shift(total, FRACTION_BITS), mx.bitwise_and(total, (1 << FRACTION_BITS) - 1)
+    return hi * fraction + mx.right_shift(lo * fraction, FRACTION_BITS)
+
+
+def fraction_bits(p: mx.array) -> mx.array:
+    """``floor(p * 2**24)`` as int64 (``p`` float32 in [0, 2]); at least 1, so a tiny top_p keeps the top."""
+    return mx.maximum((p * float(1 << FRACTION_BITS)).astype(mx.int64), 1)
+
+
+def keep_mask(x: mx.array, w: mx.array, mass: mx.array, top_k, top_p, min_p) -> mx.array:
+    """min_p, then top_k, then top_p over ``x`` ``(rows, V)`` float32 (temperature-scaled), in the ranking of a
+    stable descending sort (ties by lower id; module docstring); ``w``, ``mass``: ``token_mass(x)``; ``top_k``
+    int32, ``top_p`` and ``min_p`` float32, scalars or ``(rows, 1)`` (off: the vocabulary size, 2.0, 0).
+    Returns the kept tokens, ``(rows, V)`` bool, in id order (rank 0 always among them)."""
+    order = mx.argsort(-x, axis=-1)  # stable: ties stay in id order, as argmax breaks them
+    rank = mx.arange(x.shape[-1])
+    first = (mx.take_along_axis(w, order, axis=-1) >= min_p) & (rank < top_k)
+    ranked = mx.where(first, mx.take_along_axis(mass, order, axis=-1), 0)
+    above = mx.cumsum(ranked, axis=-1, inclusive=False)  # the kept mass of the ranks before each rank
+    total = mx.sum(ranked, axis=-1, keepdims=True)
+    kept = (first & (above < scale_mass(total, fraction_bits(top_p)))) | (rank == 0)
+    return mx.put_along_axis(mx.zeros(x.shape, mx.bool_), order, kept, axis=-1)
+
+
+def draw(mass: mx.array, keep: mx.array | None, u: mx.array) -> mx.array:
+    """The drawn id of each row, ``(rows,)`` uint32: the first whose inclusive cumulative kept ``mass``
+    (``(rows, V)`` int64) exceeds ``floor(Z * floor(u * 2**24) / 2**24)``; ``keep`` ``(rows, V)`` bool or None
+    (all), ``u`` ``(rows, 1)`` float32 uniform in [0, 1)."""
+    if keep is not None:
+        mass = mx.where(keep, mass, 0)
+    cdf = mx.cumsum(mass, axis=-1)
+    t = scale_mass(cdf[..., -1:], (u * float(1 << FRACTION_BITS)).astype(mx.int64))
+    return mx.sum(cdf <= t, axis=-1).astype(mx.uint32)
+
+
+def sample_tokens(x: mx.array, top_k, top_p, min_p, u: mx.array, filters: bool) -> mx.array:
+    """A token per row of ``x`` ``(rows, V)`` float32 (penalized, temperature-scaled logits) for uniforms
+    ``u`` ``(rows, 1)`` float32: ``keep_mask`` (when ``filters``) and ``draw``, as MLX ops, or as the CUDA
+    sampling kernel where it runs (same tokens for the same masses). Returns ``(rows,)`` uint32."""
+    from .cuda.sample import sample_kernel
+
+    kernel = sample_kernel(x)
+    if kernel is not None:
+        return kernel(x, top_k, top_p, min_p, u, filters)
+    w, mass = token_mass(x)
+    return draw(mass, keep_mask(x, w, mass, top_k, top_p, min_p) if filters else None, u)
 
 
 def adjusted_logits(kind, raw: mx.array, consts, state) -> mx.array:
@@ -197,11 +258,8 @@ def sample_step(kind: SamplerKind, logits: mx.array, consts, state):
         token = mx.argmax(x, axis=-1)
     else:
         key, sub = mx.random.split(key)
-        x = x * inv_t
-        if kind.filters:
-            token = _filtered_sample(x, top_k, top_p, min_p, sub)
-        else:
-            token = mx.random.categorical(x, key=sub)
+        u = mx.random.uniform(shape=(1,), key=sub)[None]  # (1, 1): as the batched per-row call
+        token = sample_tokens(x * inv_t, top_k, top_p, min_p, u, kind.filters)
     token = token.astype(mx.uint32)
     if kind.penalties:
         at = token.astype(mx.int32)

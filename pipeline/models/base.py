@@ -162,3 +162,18 @@ def drop_unused(weights: dict[str, mx.array], tied: bool) -> dict[str, mx.array]
     if tied:
         weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
     return weights
+
+
+def weight_format(model: nn.Module) -> str:
+    """How ``model``'s matrices (its Linear and Embedding layers) are stored: ``"4-bit g64"`` (affine
+    quantized: 4 bits, groups of 64 elements; another ``mode`` is named after it), ``"float16"`` (dense),
+    or the kinds present joined by ``" + "`` (sorted) when layers differ. Norms and biases are left out
+    (always dense). Two runs compare like for like only when their formats are equal."""
+    kinds = set()
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            mode = getattr(m, "mode", "affine")
+            kinds.add(f"{m.bits}-bit g{m.group_size}" + ("" if mode == "affine" else f" {mode}"))
+        elif isinstance(m, (nn.Linear, nn.Embedding)):
+            kinds.add(str(m.weight.dtype).removeprefix("mlx.core."))
+    return " + ".join(sorted(kinds))

@@ -21,6 +21,7 @@ from ..describe import parameter_count
 from ..inputs import read_rows
 from ..jobspec import JobSpec
 from ..loader import LoadedModel, model_identity
+from ..models.base import weight_format
 from ..resolve import resolve_model
 from ..results import Result, result_schema, results_table
 from ..shards import DiskFullError, OutputError, ShardStore, read_manifest
@@ -395,10 +396,11 @@ def _is_tty(stream) -> bool:
 
 
 def _model_line(lm: LoadedModel) -> str:
-    """``llama, 135M parameters``: the model's family and size for the load line."""
+    """``llama, 135M parameters, float16 weights``: the model's family, size and weight format
+    (``models.base.weight_format``: ``4-bit g32``, or dense after a dequantize) for the load line."""
     n = parameter_count(lm.model)
     size = f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M" if n >= 1e6 else f"{n / 1e3:.3g}K"
-    return f"{lm.config['model_type']}, {size} parameters"
+    return f"{lm.config['model_type']}, {size} parameters, {weight_format(lm.model)} weights"
 
 
 def _now() -> str:

@@ -1,0 +1,224 @@
+// pl_sample: min_p, top_k and top_p as thresholds, then the draw, for every row of x (B, $vocab) float32
+// (penalized, temperature-scaled logits), one block of $threads threads per row: the same token as the MLX
+// ops of pipeline/engine/sampler.py (token_mass, keep_mask, draw) for the same masses. Masses are int64 fixed
+// point (floor(exp(x - max) * 2^40)), so every sum is exact in any order. top_k (B, 1) int32, top_p and min_p
+// (B, 1) float32 (off: vocab, 2, 0), u (B, 1) float32 uniform in [0, 1); out: token (B,) uint32. The ranking is
+// the stable descending sort's (larger value first, ties by lower id); a filter's cut is found by radix
+// selection, 4 bits per pass (16 counters per thread in registers, block-reduced), over the order-preserving
+// uint32 key of x and, where the cut splits tokens of equal value, over their ids; it counts tokens (top_k)
+// or sums kept mass (top_p). $filters: 0 skips the filters (every token kept). Filled in by
+// pipeline/engine/cuda/sample.py.
+//@ header
+#define PL_FULL 0xffffffffu
+#define PL_NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ unsigned int pl_key(float f) {
+  const unsigned int u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float pl_unkey(unsigned int k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// floor(total * fraction / 2^24), exact: total < 2^58, fraction <= 2^25.
+__device__ __forceinline__ long long pl_scale(long long total, long long fraction) {
+  return (total >> 24) * fraction + (((total & 0xffffffll) * fraction) >> 24);
+}
+
+__device__ __forceinline__ long long pl_warp_sum64(long long v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(PL_FULL, v, o);
+  return v;
+}
+//@ body
+
+  constexpr int V = $vocab, NT = $threads, NW = NT / 32, CH = (V + NT - 1) / NT, IBITS = 20;
+  static_assert(V <= (1 << IBITS), "vocabulary too large for the index passes");
+  __shared__ long long red[NW * 16];
+  __shared__ float redf[NW];
+  __shared__ unsigned int s_prefix;
+  __shared__ long long s_base, s_bin;
+  __shared__ int s_found;
+  const int b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const float* row = x + static_cast<size_t>(b) * V;
+
+  // the row's max
+  float mval = PL_NEG_INF;
+  for (int i = t; i < V; i += NT) mval = fmaxf(mval, row[i]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mval = fmaxf(mval, __shfl_xor_sync(PL_FULL, mval, o));
+  if (lane == 0) redf[warp] = mval;
+  __syncthreads();
+  mval = redf[0];
+  for (int w = 1; w < NW; ++w) mval = fmaxf(mval, redf[w]);
+  const float m = mval;
+  const bool inf_max = isinf(m);
+  auto weight = [&](float xv) -> float { return inf_max ? (xv == m ? 1.f : 0.f) : expf(xv - m); };
+  auto mass_of = [&](float w) -> long long { return static_cast<long long>(w * 1099511627776.0f); };
+
+  const int top_k = top_k_in[b];
+  const float min_p = min_p_in[b];
+  long long frac = static_cast<long long>(top_p_in[b] * 16777216.0f);
+  frac = frac < 1 ? 1 : frac;
+
+  // A threshold in the ranking "larger value first, then lower id" (the stable descending sort): token i is
+  // at or above (K, I) when key(x_i) > K, or key(x_i) == K and i <= I.
+  bool k_on = false, p_on = false;
+  unsigned int kK = 0, pK = 0;
+  int kI = 0x7fffffff, pI = 0x7fffffff;
+  auto at_or_above = [&](unsigned int key, int i, unsigned int K, int I) { return key > K || (key == K && i <= I); };
+  auto first_kept = [&](float xv, unsigned int key, int i, float w) {
+    return w >= min_p && (!k_on || at_or_above(key, i, kK, kI));
+  };
+
+  // Block-reduce 16 counters and let thread 0 pick a bin: the highest (descending) or lowest (ascending) bin at
+  // which base + the amount of the bins before it, and it, reaches target. Returns false (uniformly) if none.
+  auto pick = [&](long long* c, long long target, bool descending, unsigned int& prefix, int shift,
+                  long long& base) -> bool {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) c[j] = pl_warp_sum64(c[j]);
+    if (lane == 0) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) red[warp * 16 + j] = c[j];
+    }
+    __syncthreads();
+    if (t == 0) {
+      long long cum = base, bin = 0;
+      int d = -1;
+      for (int n = 0; n < 16; ++n) {
+        const int j = descending ? 15 - n : n;
+        long long h = 0;
+        for (int w = 0; w < NW; ++w) h += red[w * 16 + j];
+        if (cum + h >= target) { d = j; bin = h; break; }
+        cum += h;
+      }
+      s_found = d >= 0;
+      s_prefix = d >= 0 ? (prefix | (static_cast<unsigned int>(d) << shift)) : prefix;
+      s_base = cum;
+      s_bin = bin;
+    }
+    __syncthreads();
+    const bool found = s_found;
+    prefix = s_prefix;
+    base = s_base;
+    __syncthreads();
+    return found;
+  };
+
+  // The rank at which the amount (1 per token, or the kept mass of first_kept tokens) of the tokens at or above
+  // it first reaches target: its (K, I). False if all of them together do not reach it.
+  auto select = [&](bool by_mass, long long target, unsigned int& K_out, int& I_out) -> bool {
+    auto amount = [&](float xv, unsigned int key, int i) -> long long {
+      if (!by_mass) return 1;
+      const float w = weight(xv);
+      return first_kept(xv, key, i, w) ? mass_of(w) : 0;
+    };
+    unsigned int prefix = 0;
+    long long base = 0, group = 0;
+    for (int shift = 28; shift >= 0; shift -= 4) {  // the value: 8 passes over the key's nibbles
+      const unsigned int hi_mask = shift == 28 ? 0u : (0xffffffffu << (shift + 4));
+      long long c[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) c[j] = 0;
+      for (int i = t; i < V; i += NT) {
+        const float xv = row[i];
+        const unsigned int key = pl_key(xv);
+        if ((key & hi_mask) != prefix) continue;
+        const long long a = amount(xv, key, i);
+        const int d = (key >> shift) & 15;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) c[j] += (d == j) ? a : 0;
+      }
+      if (!pick(c, target, true, prefix, shift, base)) return false;
+      group = s_bin;
+    }
+    K_out = prefix;
+    I_out = 0x7fffffff;
+    const long long need = target - base;  // 0 < need <= group: the amount wanted from the tokens of value K
+    if (need == group) return true;
+    int n = 0;
+    for (int i = t; i < V; i += NT) n += pl_key(row[i]) == prefix;
+    for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(PL_FULL, n, o);
+    if (lane == 0) red[warp] = n;
+    __syncthreads();
+    n = 0;
+    for (int w = 0; w < NW; ++w) n += static_cast<int>(red[w]);
+    __syncthreads();
+    if (n == 1) return true;
+    // ties at K split: the lowest ids first, 5 passes over the index's nibbles
+    unsigned int ip = 0;
+    long long ibase = 0;
+    for (int shift = IBITS - 4; shift >= 0; shift -= 4) {
+      const unsigned int hi_mask = shift == IBITS - 4 ? 0u : (0xffffffffu << (shift + 4));
+      long long c[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) c[j] = 0;
+      for (int i = t; i < V; i += NT) {
+        const float xv = row[i];
+        const unsigned int key = pl_key(xv);
+        if (key != prefix || (static_cast<unsigned int>(i) & hi_mask) != ip) continue;
+        const long long a = amount(xv, key, i);
+        const int d = (i >> shift) & 15;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) c[j] += (d == j) ? a : 0;
+      }
+      pick(c, need, false, ip, shift, ibase);
+    }
+    I_out = static_cast<int>(ip);
+    return true;
+  };
+
+  if ($filters) {
+    if (top_k < V) k_on = select(false, static_cast<long long>(top_k < 1 ? 1 : top_k), kK, kI);
+    if (frac < 16777216ll) {
+      long long z = 0;
+      for (int i = t; i < V; i += NT) {
+        const float xv = row[i];
+        const float w = weight(xv);
+        if (first_kept(xv, pl_key(xv), i, w)) z += mass_of(w);
+      }
+      z = pl_warp_sum64(z);
+      if (lane == 0) red[warp] = z;
+      __syncthreads();
+      long long total = 0;
+      for (int w = 0; w < NW; ++w) total += red[w];
+      __syncthreads();
+      p_on = select(true, pl_scale(total, frac), pK, pI);
+    }
+  }
+
+  // the draw: each thread sums a contiguous chunk of kept mass; a block scan finds the chunk holding the target
+  auto kept_mass = [&](int i) -> long long {
+    const float xv = row[i];
+    const float w = weight(xv);
+    const unsigned int key = pl_key(xv);
+    const bool keep = !$filters || (first_kept(xv, key, i, w) && (!p_on || at_or_above(key, i, pK, pI)));
+    return keep ? mass_of(w) : 0;
+  };
+  const int lo = t * CH, hi = min(V, lo + CH);
+  long long s = 0;
+  for (int i = lo; i < hi; ++i) s += kept_mass(i);
+  long long incl = s;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const long long v = __shfl_up_sync(PL_FULL, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (t == 0) token[b] = 0u;
+  if (lane == 31) red[warp] = incl;
+  __syncthreads();
+  long long before = 0, total = 0;
+  for (int w = 0; w < NW; ++w) {
+    if (w < warp) before += red[w];
+    total += red[w];
+  }
+  const long long excl = before + incl - s;
+  const long long target = pl_scale(total, static_cast<long long>(u[b] * 16777216.0f));
+  if (excl <= target && target < excl + s) {
+    long long run = excl;
+    for (int i = lo; i < hi; ++i) {
+      run += kept_mass(i);
+      if (run > target) { token[b] = static_cast<unsigned int>(i); break; }
+    }
+  }
