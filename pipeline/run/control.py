@@ -291,14 +291,14 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
         store.update_run(blas=_blas.STATE.to_dict())
         summary.cpu_blas = _blas.STATE.short()
 
-    schema = result_schema(id_type)
+    schema = result_schema(id_type, job.task)
     buffer: list[Result] = []
     last_flush = time.monotonic()
 
     def flush():
         nonlocal last_flush
         if buffer:
-            store.commit(results_table(buffer, schema), replaces={(r.id, r.sample_index) for r in buffer} & retry)
+            store.commit(results_table(buffer, schema), replaces={r.key for r in buffer} & retry)
             summary.rows_written += len(buffer)
             buffer.clear()
         last_flush = time.monotonic()
@@ -326,7 +326,7 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
         if on_result is not None:
             on_result(res)
         summary.rows_failed += res.error is not None
-        summary.completion_tokens += res.completion_tokens or 0
+        summary.completion_tokens += getattr(res, "completion_tokens", None) or 0
         bar.set_postfix_str(postfix(), refresh=False)
         bar.update(1)
         if len(buffer) >= job.output.shard_size or time.monotonic() - last_flush >= job.output.flush_seconds:
