@@ -80,6 +80,15 @@ def test_one_row_per_choice_and_bad_cells_fail_by_row_and_column(scored):
     assert ok["logprob_sum"] == pytest.approx(sum(ok["token_logprobs"]), abs=1e-5) and ok["logprob_sum"] < 0
     assert ok["shared_context"] is True and ok["prompt_tokens"] > 0 and ok["error"] is None
     assert summary.rows_failed == 4
+    assert summary.line().startswith(f"done: {len(t)} scored choices written (4 failed, 0 from earlier runs)")
+    assert "--pivot" in summary.line()
+
+
+def test_report_refuses_score_outputs(scored):
+    from pipeline.report import ReportError, write_report
+
+    with pytest.raises(ReportError, match="task: score results"):
+        write_report(scored[0])
 
 
 def test_schema(scored):
