@@ -192,7 +192,8 @@ def validate_job(job_file: str) -> tuple[list[Exception], str]:
     if problems:
         return problems, ""
     planned = [(r.id, k) for r, k, _ in plan_samples(job, rows)]
-    line = (f"ok: {job_file}: {len(rows)} input rows ({len(planned)} output rows, n={job.generation.n}), "
+    per_row = "task: score, one per choice" if job.task == "score" else f"n={job.generation.n}"
+    line = (f"ok: {job_file}: {len(rows)} input rows ({len(planned)} output rows, {per_row}), "
             f"model {job.model}, output {job.output.dir}")
     return [], line + _output_progress(job.output.dir, manifest, planned)
 
@@ -200,14 +201,15 @@ def validate_job(job_file: str) -> tuple[list[Exception], str]:
 def _output_progress(out_dir: str, manifest: dict | None, planned: list[tuple]) -> str:
     """How much of ``planned`` (``(id, sample_index)`` keys) the output dir holds, for validate's ok line:
     empty for a new dir, else `` is complete (32/32 rows; nothing to do)`` or `` has 12/32 rows (20 to do)``."""
-    from .shards import read_committed
+    from .shards import key_column, read_committed
 
-    table = None if manifest is None else read_committed(out_dir, manifest, ["id", "sample_index", "error"])
+    key = None if manifest is None else key_column(manifest.get("fingerprint"))
+    table = None if manifest is None else read_committed(out_dir, manifest, ["id", key, "error"])
     if table is None:
         return ""
     want = set(planned)
     done = failed = 0
-    for key in zip(table["id"].to_pylist(), table["sample_index"].to_pylist(), table["error"].to_pylist()):
+    for key in zip(table["id"].to_pylist(), table[key].to_pylist(), table["error"].to_pylist()):
         if key[:2] in want:
             done, failed = done + 1, failed + (key[2] is not None)
     rows = f"{done}/{len(planned)} rows" + (f", {failed} failed" if failed else "")
@@ -264,13 +266,16 @@ def status(out_dir, as_json, verify):
               help="results.parquet, results.jsonl, or a directory (datasets' save_to_disk; load_from_disk reads it).")
 @click.option("--join-input", is_flag=True, help="Add the input's columns (joined by id).")
 @click.option("--overwrite", is_flag=True, help="Replace PATH if it exists.")
-def export(out_dir, to, join_input, overwrite):
+@click.option("--pivot", is_flag=True,
+              help="task: score: one row per id, the choices' scores as lists, pred and pred_norm (argmax of "
+                   "logprob_sum, of logprob_sum / num_tokens).")
+def export(out_dir, to, join_input, overwrite, pivot):
     """Merge the committed rows of OUT_DIR into one file or dataset directory, in input order."""
     from .export import ExportError, export_results
 
     try:
         summary = export_results(out_dir, to, join_input=join_input, overwrite=overwrite,
-                                 warn=lambda line: click.echo(line, err=True))
+                                 warn=lambda line: click.echo(line, err=True), pivot=pivot)
     except (ExportError, *USER_ERRORS) as e:
         _fail(e)
     click.echo(summary.line())

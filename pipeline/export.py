@@ -163,8 +163,54 @@ def _check_destination(out_dir: Path, to: Path, fmt: str, overwrite: bool) -> No
         raise ExportError(f"--to {to}: a directory that is not a saved dataset; not replacing it")
 
 
+def pivot_choices(table: pa.Table) -> pa.Table:
+    """The rows of a ``task: score`` output (one per (id, choice_index), sorted by id then choice_index) as
+    one row per id: ``id``, ``prompt``, ``choices`` (list<string>), ``logprob_sum`` (list<float64>),
+    ``num_tokens`` (list<int32>), ``is_greedy`` (list<bool>), each in choice order; ``pred`` (int32: the argmax
+    of ``logprob_sum``), ``pred_norm`` (int32: the argmax of ``logprob_sum / num_tokens``; lm-evaluation-
+    harness's ``acc_norm`` divides by the choice's length in characters instead), the first of a tie;
+    ``error`` (string): the first failed choice's error, and then ``pred`` and ``pred_norm`` are null.
+
+    Raises:
+        ExportError: ``table`` is not a ``task: score`` output (no ``choice_index`` column).
+    """
+    if "choice_index" not in table.column_names:
+        raise ExportError("--pivot: the output holds no scored choices (task: score); nothing to pivot")
+    cols = {c: table.column(c).to_pylist() for c in
+            ("id", "choice_index", "prompt", "choice", "logprob_sum", "num_tokens", "is_greedy", "error")}
+    out = {k: [] for k in ("id", "prompt", "choices", "logprob_sum", "num_tokens", "is_greedy", "pred", "pred_norm",
+                           "error")}
+    i, n = 0, table.num_rows
+    while i < n:
+        j = i
+        while j < n and cols["id"][j] == cols["id"][i]:
+            j += 1
+        rows = range(i, j)
+        error = next((cols["error"][r] for r in rows if cols["error"][r] is not None), None)
+        lps, ntok = [cols["logprob_sum"][r] for r in rows], [cols["num_tokens"][r] for r in rows]
+        out["id"].append(cols["id"][i])
+        out["prompt"].append(cols["prompt"][i])
+        out["choices"].append([cols["choice"][r] for r in rows])
+        out["logprob_sum"].append(lps)
+        out["num_tokens"].append(ntok)
+        out["is_greedy"].append([cols["is_greedy"][r] for r in rows])
+        out["error"].append(error)
+        if error is None:
+            norm = [lp / k for lp, k in zip(lps, ntok)]
+            out["pred"].append(max(range(len(lps)), key=lambda k: (lps[k], -k)))
+            out["pred_norm"].append(max(range(len(norm)), key=lambda k: (norm[k], -k)))
+        else:
+            out["pred"].append(None)
+            out["pred_norm"].append(None)
+        i = j
+    types = {"id": table.schema.field("id").type, "prompt": pa.string(), "choices": pa.list_(pa.string()),
+             "logprob_sum": pa.list_(pa.float64()), "num_tokens": pa.list_(pa.int32()),
+             "is_greedy": pa.list_(pa.bool_()), "pred": pa.int32(), "pred_norm": pa.int32(), "error": pa.string()}
+    return pa.table({k: pa.array(v, types[k]) for k, v in out.items()})
+
+
 def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, overwrite: bool = False,
-                   warn: Callable[[str], None] = print) -> ExportSummary:
+                   warn: Callable[[str], None] = print, pivot: bool = False) -> ExportSummary:
     """Merge the committed shards of ``out_dir`` into one file or directory.
 
     Rows are sorted by their input row's position in the job's input (joined by id; sample_index
@@ -180,13 +226,15 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
         join_input: add the input's columns (the id column aside; names the results use get an
             ``input_`` prefix), nulls for rows no longer in the input.
         overwrite: replace an existing destination (a directory only if it is a saved dataset or empty).
+        pivot: a ``task: score`` output as one row per id with ``pred`` and ``pred_norm`` (``pivot_choices``).
         warn: where a note goes when the input cannot be read (the rows are then sorted by id), or when
             shards record no sha256 to verify (an older manifest).
 
     Raises:
         OutputError: ``out_dir`` has no manifest, or a committed shard is missing or damaged (its bytes do
             not match the manifest's size or sha256): nothing is written.
-        ExportError: nothing committed, unknown format, destination exists or lies inside ``out_dir``.
+        ExportError: nothing committed, unknown format, destination exists or lies inside ``out_dir``;
+            ``pivot`` of an output that is not ``task: score``'s.
         InputError: ``join_input`` and the input cannot be read.
     """
     out_dir, dest = Path(out_dir), Path(to)
@@ -204,13 +252,19 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
         warn(f"note: rows sorted by id and sample_index, not input order: {e}")
         positions, by_input = [None] * table.num_rows, False
     last = 2**62  # rows no longer in the input sort after every input position
-    keyed = table.select(["id", "sample_index"]).append_column(
+    key = "choice_index" if "choice_index" in table.column_names else "sample_index"
+    keyed = table.select(["id", key]).append_column(
         "_position", pa.array([last if p is None else p for p in positions], pa.int64()))
     idx = pc.sort_indices(keyed, sort_keys=[("_position", "ascending"), ("id", "ascending"),
-                                            ("sample_index", "ascending")])
+                                            (key, "ascending")])
     table = table.take(idx)
+    positions = [positions[i] for i in idx.to_pylist()]
+    if pivot:
+        ids = table.column("id").to_pylist()
+        table = pivot_choices(table)
+        positions = [p for k, p in enumerate(positions) if k == 0 or ids[k] != ids[k - 1]]
     if join_input:
-        table = _with_input(table, [positions[i] for i in idx.to_pylist()], job)
+        table = _with_input(table, positions, job)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.export-{os.getpid()}.tmp"
     try:

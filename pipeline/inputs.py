@@ -37,6 +37,9 @@ class InputRow:
             ``jobspec.ROW_OVERRIDES``); checked when the row is generated.
         error: why the row's prompt could not be built (its template printed a null value), or None;
             the row then fails with this error.
+        choices: ``task: score``: the row's ``input.choices_column`` cell (a list of strings, or whatever
+            it holds: checked per row, ``run.plan.row_choices``) or its ``input.continuation_column`` cell;
+            None otherwise.
     """
 
     index: int
@@ -45,6 +48,7 @@ class InputRow:
     messages: list[dict] | None
     overrides: dict = field(default_factory=dict)
     error: str | None = None
+    choices: object = None
 
 
 # File suffix -> reader: "parquet" is pyarrow's; the others are ``datasets`` builder names.
@@ -128,7 +132,8 @@ def override_columns(spec: InputSpec, names) -> list[str]:
     ``spec.row_overrides``; the id/prompt/messages columns never do)."""
     if not spec.row_overrides:
         return []
-    taken = {spec.id_column, spec.prompt_column, spec.messages_column}
+    taken = {spec.id_column, spec.prompt_column, spec.messages_column, spec.choices_column,
+             spec.continuation_column}
     return [c for c in ROW_OVERRIDES if c in names and c not in taken]
 
 
@@ -198,6 +203,9 @@ def needed_columns(spec: InputSpec) -> dict[str, str]:
         keys.setdefault(spec.prompt_column, "input.prompt_column")
     if spec.messages_column:
         keys.setdefault(spec.messages_column, "input.messages_column")
+    for key in ("choices_column", "continuation_column"):
+        if getattr(spec, key):
+            keys.setdefault(getattr(spec, key), f"input.{key}")
     for f in _filters(spec):
         keys.setdefault(f.column, "input.filter")
     return keys
@@ -415,6 +423,10 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
     if spec.messages_column:
         _check_column(table, spec.messages_column, "input.messages_column",
                       "list<struct<role: string, content: string>>", _is_messages)
+    if spec.choices_column:
+        _check_column(table, spec.choices_column, "input.choices_column", "list<string>", _is_list_of(_is_string))
+    if spec.continuation_column:
+        _check_column(table, spec.continuation_column, "input.continuation_column", "string", _is_string)
     for name in override_columns(spec, table.column_names):
         kind, ok = _OVERRIDE_TYPES.get(name, ("number", _is_number))
         _check_column(table, name, f"per-row override of generation.{name}", kind, ok)
@@ -434,7 +446,10 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
     else:
         prompts = [None] * n
     messages = sel.column(spec.messages_column).to_pylist() if spec.messages_column else [None] * n
+    scored = spec.choices_column or spec.continuation_column
+    choices = sel.column(scored).to_pylist() if scored else [None] * n
     rows = [InputRow(index=i, id=all_ids[i], prompt=prompts[k], messages=messages[k],
-                     overrides={c: v[k] for c, v in overrides.items() if v[k] is not None}, error=errors[k])
+                     overrides={c: v[k] for c, v in overrides.items() if v[k] is not None}, error=errors[k],
+                     choices=choices[k])
             for k, i in enumerate(picked)]
     return rows, id_type

@@ -117,6 +117,10 @@ class InputSpec:
             "error" fails the row; "left" drops its first tokens (keeping BOS); "right" drops its last.
         row_overrides: input columns named like generation keys (``ROW_OVERRIDES``: max_tokens,
             temperature, stop, ...) set that key for their row where non-null; false ignores them.
+        choices_column: ``task: score``: column of lists of strings, the continuations (choices) scored
+            after each row's context (its prompt, messages or template, built as for generation).
+        continuation_column: ``task: score``: column of one string per row, the one continuation scored
+            (instead of ``choices_column``).
     """
 
     path: str | None = None
@@ -133,6 +137,8 @@ class InputSpec:
     parse_special_tokens: bool = False
     truncate: str = "error"
     row_overrides: bool = True
+    choices_column: str | None = None
+    continuation_column: str | None = None
 
     def __post_init__(self):
         if isinstance(self.filter, FilterSpec):
@@ -425,6 +431,7 @@ class RaySpec:
 
 
 EXECUTORS = ("local", "ray")
+TASKS = ("generate", "score")
 
 
 @dataclass
@@ -432,6 +439,9 @@ class JobSpec:
     """A whole job file.
 
     Attributes:
+        task: "generate" (completions) or "score" (lm-evaluation-harness's ``loglikelihood``: each row's
+            context with ``input.choices_column`` or ``input.continuation_column``; one output row per
+            (id, choice index), ``pipeline.results.ScoreResult``; ``pipeline.engine.score``).
         executor: "local" runs the job in this process; "ray" on a Ray cluster with Ray Data (``ray``
             section; ``pipeline.run.ray``). Same rows either way; not part of the fingerprint.
     """
@@ -439,6 +449,7 @@ class JobSpec:
     input: InputSpec
     output: OutputSpec
     model: str = DEFAULT_MODEL
+    task: str = "generate"
     generation: GenerationSpec = field(default_factory=GenerationSpec)
     engine: EngineSpec = field(default_factory=EngineSpec)
     cache: CacheSpec = field(default_factory=CacheSpec)
@@ -446,9 +457,30 @@ class JobSpec:
     ray: RaySpec = field(default_factory=RaySpec)
 
     def check(self):
-        """Raises: JobSpecError: an unknown executor."""
+        """Raises: JobSpecError: an unknown executor or task; the score columns missing (``task: score``:
+        exactly one of ``input.choices_column`` and ``input.continuation_column``) or set for ``task:
+        generate``; ``task: score`` with ``engine.batch_size`` other than 1 or ``executor: ray``."""
+        bad = _Problems()
         if self.executor not in EXECUTORS:
-            raise JobSpecError(f"executor must be local or ray, got {self.executor!r}")
+            bad.append(f"executor must be local or ray, got {self.executor!r}")
+        inp = self.input
+        if self.task not in TASKS:
+            bad.append(f"task must be generate or score, got {self.task!r}")
+        elif inp is None:
+            pass
+        elif self.task == "score":
+            if (inp.choices_column is None) == (inp.continuation_column is None):
+                bad.append("task: score needs exactly one of input.choices_column (lists of strings) and "
+                           "input.continuation_column (strings)")
+            if self.engine.batch_size != 1:
+                bad.append("engine.batch_size must be 1 with task: score (the choices of a row run as one batch)")
+            if self.executor == "ray":
+                bad.append("task: score runs with executor: local only")
+        else:
+            for key in ("choices_column", "continuation_column"):
+                if getattr(inp, key) is not None:
+                    bad.append(f"input.{key} is for task: score (this job's task is generate)")
+        bad.raise_any()
 
     def to_dict(self) -> dict:
         """The job as JSON values (tuples as lists)."""

@@ -65,6 +65,60 @@ def _free_chars(texts: list[str]) -> tuple[str, str]:
         raise RowError("the row uses every private-use character; cannot mark special-token text") from None
 
 
+class _Marker:
+    """Special-token text inside data strings swapped for private-use placeholders (``mark``), so that a
+    rendered text can be encoded with only the template's own markup parsed as special tokens (``encode``).
+
+    Args:
+        tokenizer: the model's tokenizer.
+        strings: every data string that will be marked (to pick placeholders they do not contain).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, strings: list[str]):
+        self.tokenizer = tokenizer
+        self.pattern = _special_regex(tokenizer.special_tokens)
+        self.active = self.pattern is not None and any(self.pattern.search(v) for v in strings)
+        if self.active:
+            self.open, self.close = _free_chars([tokenizer.chat_template or "", *strings])
+        self.originals: list[str] = []
+
+    def _sub(self, match: re.Match) -> str:
+        self.originals.append(match.group())
+        return f"{self.open}{len(self.originals) - 1}{self.close}"
+
+    def mark(self, text: str) -> str:
+        return self.pattern.sub(self._sub, text) if self.active else text
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of a text built from marked strings: its markup pieces with special tokens parsed, each
+        placeholder's original text without.
+
+        Raises:
+            RowError: the template cut up a placeholder.
+        """
+        if not self.active:
+            return self.tokenizer.encode(text, parse_special=True)
+        pieces = re.split(f"{self.open}([0-9]+){self.close}", text)
+        if any(self.open in p or self.close in p for p in pieces[::2]):
+            raise RowError("the chat template cut up special-token text in the messages "
+                           "(set input.parse_special_tokens: true to encode the rendered text as it is)")
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids += self.tokenizer.encode(self.originals[int(piece)], parse_special=False)
+            elif piece:
+                ids += self.tokenizer.encode(piece, parse_special=True)
+        return ids
+
+
+def _message_strings(messages: list[dict]) -> list[str]:
+    return [v for m in messages for v in m.values() if isinstance(v, str)]
+
+
+def _mark_messages(marker: _Marker, messages: list[dict]) -> list[dict]:
+    return [{k: marker.mark(v) if isinstance(v, str) else v for k, v in m.items()} for m in messages]
+
+
 def _encode_template(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
     """Render ``messages`` and encode them so that only the template's own markup becomes special tokens.
 
@@ -74,29 +128,8 @@ def _encode_template(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
     placeholder's original text without. Rows with no special-token text are one piece, encoded as one
     string.
     """
-    pattern = _special_regex(tokenizer.special_tokens)
-    strings = [v for m in messages for v in m.values() if isinstance(v, str)]
-    if pattern is None or not any(pattern.search(v) for v in strings):
-        return tokenizer.encode(_render(tokenizer, messages), parse_special=True)
-    open_, close = _free_chars([tokenizer.chat_template, *strings])
-    originals: list[str] = []
-
-    def mark(match: re.Match) -> str:
-        originals.append(match.group())
-        return f"{open_}{len(originals) - 1}{close}"
-
-    marked = [{k: pattern.sub(mark, v) if isinstance(v, str) else v for k, v in m.items()} for m in messages]
-    pieces = re.split(f"{open_}([0-9]+){close}", _render(tokenizer, marked))
-    if any(open_ in p or close in p for p in pieces[::2]):
-        raise RowError("the chat template cut up special-token text in the messages "
-                       "(set input.parse_special_tokens: true to encode the rendered text as it is)")
-    ids: list[int] = []
-    for i, piece in enumerate(pieces):
-        if i % 2:
-            ids += tokenizer.encode(originals[int(piece)], parse_special=False)
-        elif piece:
-            ids += tokenizer.encode(piece, parse_special=True)
-    return ids
+    marker = _Marker(tokenizer, _message_strings(messages))
+    return marker.encode(_render(tokenizer, _mark_messages(marker, messages)))
 
 
 def _render(tokenizer: Tokenizer, messages: list[dict]) -> str:
@@ -110,6 +143,30 @@ def _with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     if tokenizer.add_bos_token and tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
         return [tokenizer.bos_token_id, *ids]
     return ids
+
+
+def _row_messages(row: InputRow, spec: InputSpec) -> tuple[str | None, list[dict] | None]:
+    """``(text for the prompt column, messages)``: messages None for a raw prompt (no chat template).
+
+    Raises:
+        RowError: as ``build_prompt``.
+    """
+    if row.messages is not None:
+        messages = _check_messages(row.messages)
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        text = users[-1] if users else None
+    else:
+        if row.prompt is None:
+            raise RowError("prompt is null")
+        if row.prompt == "":
+            raise RowError("prompt is empty")
+        text = row.prompt
+        if not spec.apply_chat_template:
+            return text, None
+        messages = [{"role": "user", "content": text}]
+    if spec.system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": spec.system_prompt})
+    return text, messages
 
 
 def build_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer) -> Prompt:
@@ -128,23 +185,77 @@ def build_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer) -> Prompt
             content, a role other than system, user, assistant, tool or developer), a template that rejects
             them or that cuts up special-token text of the messages.
     """
-    if row.messages is not None:
-        messages = _check_messages(row.messages)
-        users = [m["content"] for m in messages if m["role"] == "user"]
-        text = users[-1] if users else None
-    else:
-        if row.prompt is None:
-            raise RowError("prompt is null")
-        if row.prompt == "":
-            raise RowError("prompt is empty")
-        text = row.prompt
-        if not spec.apply_chat_template:
-            return Prompt(text, _with_bos(tokenizer, tokenizer.encode(text, parse_special=spec.parse_special_tokens)))
-        messages = [{"role": "user", "content": text}]
-    if spec.system_prompt is not None and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": spec.system_prompt})
+    text, messages = _row_messages(row, spec)
+    if messages is None:
+        return Prompt(text, _with_bos(tokenizer, tokenizer.encode(text, parse_special=spec.parse_special_tokens)))
     if spec.parse_special_tokens:
         ids = tokenizer.encode(_render(tokenizer, messages), parse_special=True)
     else:
         ids = _encode_template(tokenizer, messages)
     return Prompt(text, _with_bos(tokenizer, ids))
+
+
+def encode_pair(encode, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Context and continuation ids by lm-evaluation-harness's rule (``TemplateLM._encode_pair`` in
+    ``lm_eval/api/model.py``): trailing whitespace of ``context`` moves to the start of ``continuation``;
+    ``context + continuation`` is encoded whole and split at the length of the encoded context, so a token
+    spanning the boundary counts as continuation.
+
+    Args:
+        encode: text -> token ids (BOS and special-token handling included).
+        context, continuation: the two texts.
+
+    Returns:
+        (context ids, continuation ids).
+    """
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole, ctx = encode(context + continuation), encode(context)
+    return ctx, whole[len(ctx):]
+
+
+@dataclass
+class ScorePrompt:
+    """A row's context and continuations as token ids (``task: score``).
+
+    Attributes:
+        text: the user text recorded in the output ``prompt`` column, as ``Prompt.text``.
+        context_ids: the context's ids (chat template applied, BOS as the model wants it), its trailing
+            whitespace moved to the continuations (``encode_pair``).
+        continuation_ids: per continuation, its ids.
+    """
+
+    text: str | None
+    context_ids: list[int]
+    continuation_ids: list[list[int]]
+
+
+def build_score_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer, continuations: list[str]) -> ScorePrompt:
+    """The context of ``row`` (the text ``build_prompt`` builds: the raw prompt, or the chat template rendered
+    with the generation prompt) and each of ``continuations`` encoded by ``encode_pair``. Special-token text
+    in the data (messages, prompt, system prompt, continuations) is plain text unless
+    ``spec.parse_special_tokens``, as for generation; BOS is added once where the model asks for it.
+
+    A chat-templated context ends with the template's generation prompt (SmolLM2: ``<|im_start|>assistant\n``):
+    its trailing newline moves to each continuation, as lm-evaluation-harness does with
+    ``--apply_chat_template``.
+
+    Raises:
+        RowError: as ``build_prompt``.
+    """
+    text, messages = _row_messages(row, spec)
+    bos = lambda ids: _with_bos(tokenizer, ids)  # noqa: E731
+    if messages is None:
+        context = text
+        encode = lambda s: bos(tokenizer.encode(s, parse_special=spec.parse_special_tokens))  # noqa: E731
+    elif spec.parse_special_tokens:
+        context = _render(tokenizer, messages)
+        encode = lambda s: bos(tokenizer.encode(s, parse_special=True))  # noqa: E731
+    else:
+        marker = _Marker(tokenizer, _message_strings(messages) + list(continuations))
+        context = _render(tokenizer, _mark_messages(marker, messages))
+        continuations = [marker.mark(c) for c in continuations]
+        encode = lambda s: bos(marker.encode(s))  # noqa: E731
+    pairs = [encode_pair(encode, context, c) for c in continuations]
+    return ScorePrompt(text, pairs[0][0], [cont for _, cont in pairs])

@@ -248,7 +248,7 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
         The HTML file's path.
 
     Raises:
-        ReportError: matplotlib is not installed.
+        ReportError: matplotlib is not installed; ``out_dir`` holds ``task: score`` results.
         OutputError: ``out_dir`` has no manifest, or a committed shard is missing or damaged (as in
             ``pipeline export``).
     """
@@ -259,6 +259,10 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
                           'pip install "matplotlib>=3.7"') from None
     out_dir = Path(out_dir)
     manifest, table = read_committed(out_dir)
+    if table is not None and "choice_index" in table.column_names:
+        raise ReportError(f"pipeline report: {out_dir} holds task: score results, which the report does not chart; "
+                          f"pipeline status {out_dir} summarizes them, pipeline export {out_dir} --to F --pivot "
+                          "gives each row's pred")
     page = Path(out) if out is not None else out_dir / "report" / "report.html"
     page.parent.mkdir(parents=True, exist_ok=True)
     summary = summary_numbers(manifest, table)

@@ -1,4 +1,5 @@
-"""One result row per (input row, sample); its fields are the output Parquet columns, 1:1."""
+"""One result row per (input row, sample) (``Result``), or per (input row, choice) for ``task: score``
+(``ScoreResult``); their fields are the output Parquet columns, 1:1."""
 
 from __future__ import annotations
 
@@ -63,6 +64,75 @@ class Result:
     top_logprobs: list[list[float]] | None = None
     batch_size: int | None = None
 
+    @property
+    def key(self) -> tuple:
+        """``(id, sample_index)``: the row's key in the output dir."""
+        return (self.id, self.sample_index)
+
+
+@dataclass
+class ScoreResult:
+    """One scored (row, choice) of ``task: score`` (lm-evaluation-harness's ``loglikelihood``).
+
+    Attributes:
+        id: the input row's id.
+        choice_index: 0..C-1, the choice's position in the row's ``input.choices_column`` list (0 for
+            ``input.continuation_column``, and for a row that failed before its choices were known).
+        prompt: the user text (last user turn of a conversation), as for generation.
+        choice: the continuation text as in the input (before its context's trailing whitespace moved to
+            it); None when the row's choices cell was not a list of strings.
+        logprob_sum: sum of the continuation tokens' log-probabilities (natural log); None if failed.
+        num_tokens: continuation tokens scored; None if failed.
+        is_greedy: every continuation token is the argmax of its position's distribution; None if failed.
+        token_logprobs: each continuation token's log-probability (float32); None if failed.
+        prompt_tokens: context length in tokens (chat template included, its trailing whitespace moved to
+            the continuation); None if failed.
+        ttft_s: seconds of the context's prefill (shared by the row's choices).
+        total_s: seconds for the whole row (prompt building, the context and every choice), shared by its
+            choices.
+        peak_memory_bytes: MLX peak memory while scoring the row, in bytes.
+        shared_context: the choices ran as one batch from the context's KV (``engine.score.score_shared``);
+            False: each had its own full prefill (``engine.score.shared_blocker`` says why; the log names the
+            reason once); None if failed.
+        error: why the row (or this choice) failed, or None.
+    """
+
+    id: int | str
+    choice_index: int
+    prompt: str | None
+    choice: str | None
+    logprob_sum: float | None
+    num_tokens: int | None
+    is_greedy: bool | None
+    token_logprobs: list[float] | None
+    prompt_tokens: int | None
+    ttft_s: float | None
+    total_s: float | None
+    peak_memory_bytes: int | None
+    shared_context: bool | None
+    error: str | None
+
+    @property
+    def key(self) -> tuple:
+        """``(id, choice_index)``: the row's key in the output dir."""
+        return (self.id, self.choice_index)
+
+
+_SCORE_TYPES = {
+    "choice_index": pa.int32(),
+    "prompt": pa.string(),
+    "choice": pa.string(),
+    "logprob_sum": pa.float64(),
+    "num_tokens": pa.int32(),
+    "is_greedy": pa.bool_(),
+    "token_logprobs": pa.list_(pa.float32()),
+    "prompt_tokens": pa.int32(),
+    "ttft_s": pa.float64(),
+    "total_s": pa.float64(),
+    "peak_memory_bytes": pa.int64(),
+    "shared_context": pa.bool_(),
+    "error": pa.string(),
+}
 
 _TYPES = {
     "sample_index": pa.int32(),
@@ -86,15 +156,22 @@ _TYPES = {
     "top_logprobs": pa.list_(pa.list_(pa.float32())),
     "batch_size": pa.int32(),
 }
-_NOT_NULL = {"id", "sample_index", "seed"}
+_NOT_NULL = {"id", "sample_index", "seed", "choice_index"}
 
 
-def result_schema(id_type: pa.DataType) -> pa.Schema:
-    """The output schema; ``id_type`` (int64 or string) follows the input's id column."""
-    types = {"id": id_type, **_TYPES}
+def result_schema(id_type: pa.DataType, task: str = "generate") -> pa.Schema:
+    """The output schema of ``task`` ("generate": ``Result``, "score": ``ScoreResult``); ``id_type`` (int64
+    or string) follows the input's id column."""
+    cls, types = (ScoreResult, _SCORE_TYPES) if task == "score" else (Result, _TYPES)
+    types = {"id": id_type, **types}
     return pa.schema(
-        [pa.field(f.name, types[f.name], nullable=f.name not in _NOT_NULL) for f in dataclasses.fields(Result)]
+        [pa.field(f.name, types[f.name], nullable=f.name not in _NOT_NULL) for f in dataclasses.fields(cls)]
     )
+
+
+def key_column(task: str) -> str:
+    """The column that, with ``id``, keys an output row: ``sample_index``, or ``choice_index`` for "score"."""
+    return "choice_index" if task == "score" else "sample_index"
 
 
 def schema_digest(schema: pa.Schema | None = None) -> str:
@@ -108,5 +185,5 @@ def schema_digest(schema: pa.Schema | None = None) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
-def results_table(results: list[Result], schema: pa.Schema) -> pa.Table:
+def results_table(results: list[Result] | list[ScoreResult], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_pylist([dataclasses.asdict(r) for r in results], schema=schema)

@@ -165,8 +165,19 @@ def keys_digest(keys) -> str:
     return hashlib.sha256(json.dumps(sorted([i, k] for i, k in keys)).encode()).hexdigest()
 
 
+# The second key column of a shard: ``sample_index`` (generation) or ``choice_index`` (``task: score``).
+KEY_COLUMNS = ("sample_index", "choice_index")
+
+
+def key_column(fingerprint: dict | None) -> str:
+    """The column that, with ``id``, keys the rows of an output dir whose fingerprint is ``fingerprint``
+    (``results.key_column`` of its ``task``)."""
+    return "choice_index" if (fingerprint or {}).get("task") == "score" else "sample_index"
+
+
 def _table_keys(table: pa.Table) -> list[tuple]:
-    return list(zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist()))
+    second = "choice_index" if "choice_index" in table.column_names else "sample_index"
+    return list(zip(table.column("id").to_pylist(), table.column(second).to_pylist()))
 
 
 @dataclass
@@ -461,6 +472,7 @@ class ShardStore:
         manifest["next_shard"] = max([manifest.get("next_shard", len(manifest["shards"])), *used])  # once; commits keep it
         self.manifest = manifest
         self.fingerprint = fingerprint
+        self.key = key_column(fingerprint)
         runs = manifest.get("runs", [])
         self.run = len(runs) or None
         self._record: dict | None = None  # the run record add_run started
@@ -530,7 +542,7 @@ class ShardStore:
             if want is not None:
                 try:
                     data = p.read_bytes()
-                    keys = _table_keys(pq.read_table(pa.BufferReader(data), columns=["id", "sample_index"]))
+                    keys = _table_keys(pq.read_table(pa.BufferReader(data), columns=["id", self.key]))
                 except (OSError, pa.ArrowException, KeyError):
                     keys = None
             if keys is not None and len(keys) == want["rows"] and keys_digest(keys) == want["keys"]:
@@ -592,7 +604,7 @@ class ShardStore:
         """``(id, sample_index)`` of every committed row (read from the shards; their failed keys are kept)."""
         keys = set()
         for e in self.manifest["shards"]:
-            shard_keys, self._failed[e["file"]] = _key_lists(read_shard(self.dir, e, ["id", "sample_index", "error"]))
+            shard_keys, self._failed[e["file"]] = _key_lists(read_shard(self.dir, e, ["id", self.key, "error"]))
             keys.update(shard_keys)
         return keys
 
@@ -603,7 +615,7 @@ class ShardStore:
         out = set()
         for e in self.manifest["shards"]:
             if e["file"] not in self._failed:
-                self._failed[e["file"]] = _key_lists(read_shard(self.dir, e, ["id", "sample_index", "error"]))[1]
+                self._failed[e["file"]] = _key_lists(read_shard(self.dir, e, ["id", self.key, "error"]))[1]
             out.update(self._failed[e["file"]])
         return out
 
@@ -660,7 +672,7 @@ class ShardStore:
         out = {}
         for s in self.manifest["shards"]:
             t = read_shard(self.dir, s)
-            drop = [(i, k) in keys for i, k in zip(t.column("id").to_pylist(), t.column("sample_index").to_pylist())]
+            drop = [(i, k) in keys for i, k in _table_keys(t)]
             if any(drop):
                 kept = t.filter(pa.array([not d for d in drop]))
                 out[s["file"]] = None

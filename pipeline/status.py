@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 from .inputs import InputError, read_rows
 from .jobspec import JobSpecError, job_from_dict
 from .run.plan import plan_samples
-from .shards import OutputError, check_shards, diff_fields, read_committed, read_manifest
+from .shards import OutputError, check_shards, diff_fields, key_column, read_committed, read_manifest
 
 _COLUMNS = ["id", "sample_index", "error", "completion_tokens", "total_s", "decode_tps"]
 
@@ -48,7 +48,9 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         raise OutputError(f"{out_dir}: no manifest.json (not a pipeline output directory, or nothing committed yet)")
     check = check_shards(out_dir, manifest["shards"], footer=verify, digest=lambda _: verify)
     check.raise_bad()
-    table = read_committed(out_dir, manifest, _COLUMNS)
+    key = key_column(manifest.get("fingerprint"))
+    scored = key == "choice_index"  # task: score: no generated tokens
+    table = read_committed(out_dir, manifest, ["id", key, "error", "total_s"] if scored else _COLUMNS)
     runs = manifest.get("runs", [])
     timed = recorded_totals(runs)
     done = 0 if table is None else table.num_rows
@@ -56,8 +58,8 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         "out_dir": str(out_dir),
         "rows_done": done,
         "rows_failed": 0 if table is None else table.num_rows - table.column("error").null_count,
-        "completion_tokens": 0 if table is None else int(pc.sum(table.column("completion_tokens")).as_py() or 0),
-        "mean_decode_tps": None if table is None else pc.mean(table.column("decode_tps")).as_py(),
+        "completion_tokens": 0 if table is None or scored else int(pc.sum(table.column("completion_tokens")).as_py() or 0),
+        "mean_decode_tps": None if table is None or scored else pc.mean(table.column("decode_tps")).as_py(),
         "generation_s": timed["seconds"],
         "runs": len(runs),
         "runs_unrecorded": len(runs) - timed["runs"],
@@ -79,7 +81,7 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         status["pending_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         return status
 
-    committed = set() if table is None else set(zip(table["id"].to_pylist(), table["sample_index"].to_pylist()))
+    committed = set() if table is None else set(zip(table["id"].to_pylist(), table[key].to_pylist()))
     status["rows_pending"] = sum((r.id, k) not in committed for r, k, _ in plan_samples(job, rows))
     status["complete"] = status["rows_pending"] == 0  # the manifest's flag covers only a run's --limit
     if status["rows_pending"] == 0:

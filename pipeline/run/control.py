@@ -67,6 +67,7 @@ class RunSummary:
         workers: ``executor: ray``: per Ray actor (``host:pid``), the units, rows, completion tokens and
             seconds of the units it ran and its warm-up seconds (``warmup_s``); empty in local mode.
         cpu_blas: a local run on the CPU: the BLAS serving MLX's matmuls (``pipeline._blas.BlasState.short``).
+        task: the job's ``task``; "score" rows are (row, choice) pairs and the line says so.
     """
 
     out_dir: Path
@@ -87,6 +88,7 @@ class RunSummary:
     aborted: bool = False
     workers: dict[str, dict] = dataclasses.field(default_factory=dict)
     cpu_blas: str | None = None
+    task: str = "generate"
 
     @property
     def complete(self) -> bool:
@@ -101,13 +103,20 @@ class RunSummary:
             return (f"{how} ({self.interrupted}): {self.rows_skipped + self.rows_written}/{self.rows_total} rows "
                     f"committed in {self.out_dir}; run the same command again to resume")
         if self.rows_written == 0 and self.complete:
-            return (f"nothing to do: all {self.rows_total} rows are already committed in {self.out_dir}; "
-                    f"charts and failed rows: pipeline report {shlex.quote(str(self.out_dir))}")
+            then = (f"one row per question: pipeline export {shlex.quote(str(self.out_dir))} --to F --pivot"
+                    if self.task == "score" else f"charts and failed rows: pipeline report {shlex.quote(str(self.out_dir))}")
+            return f"nothing to do: all {self.rows_total} rows are already committed in {self.out_dir}; {then}"
         tps = self.completion_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
         on = f" on {len(self.workers)} Ray actor{'s' * (len(self.workers) != 1)}" if self.workers else ""
         cpu = f" (CPU: {self.cpu_blas})" if self.cpu_blas else ""
         warm = f" after a {self.warmup_s:.1f} s warm-up" if self.warmup_s is not None else ""
         batch = f", batch size {self.batch_size}" if self.batch_size not in (None, 1) else ""
+        if self.task == "score":
+            rate = self.rows_written / self.elapsed_s if self.elapsed_s > 0 else 0.0
+            return (f"done: {self.rows_written} scored choice{'s' * (self.rows_written != 1)} written "
+                    f"({self.rows_failed} failed, {self.rows_skipped} from earlier runs) in {self.elapsed_s:.1f} s{warm}"
+                    f"{cpu} ({rate:.1f} choices/s); {self.shards} shard{'s' * (self.shards != 1)} in {self.out_dir}; "
+                    f"one row per question: pipeline export {shlex.quote(str(self.out_dir))} --to F --pivot")
         return (f"done: {self.rows_written} row{'s' * (self.rows_written != 1)} written ({self.rows_failed} failed, "
                 f"{self.rows_skipped} from earlier runs) in {self.elapsed_s:.1f} s{warm}{on}{cpu}{batch}, "
                 f"{self.completion_tokens} tokens "
@@ -254,7 +263,8 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
         _report_removed(done - {(r.id, k) for r, k, _ in planned}, echo)
     retry = store.failed_keys() if retry_failed else set()
     pending = [p for p in planned if (p[0].id, p[1]) not in done or (p[0].id, p[1]) in retry]
-    summary = RunSummary(out_dir=out_dir, rows_total=len(planned), rows_skipped=len(planned) - len(pending))
+    summary = RunSummary(out_dir=out_dir, rows_total=len(planned), rows_skipped=len(planned) - len(pending),
+                         task=job.task)
     if cluster is not None and pending:
         cluster.prepare(job, out_dir, len(pending))  # resources and storage: refused before the run is recorded
     run_record = {"started": _now(), "rows_pending": len(pending), "retry_failed": retry_failed, "force": force,
@@ -292,14 +302,14 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
         store.update_run(blas=_blas.STATE.to_dict())
         summary.cpu_blas = _blas.STATE.short()
 
-    schema = result_schema(id_type)
+    schema = result_schema(id_type, job.task)
     buffer: list[Result] = []
     last_flush = time.monotonic()
 
     def flush():
         nonlocal last_flush
         if buffer:
-            store.commit(results_table(buffer, schema), replaces={(r.id, r.sample_index) for r in buffer} & retry)
+            store.commit(results_table(buffer, schema), replaces={r.key for r in buffer} & retry)
             summary.rows_written += len(buffer)
             buffer.clear()
         last_flush = time.monotonic()
@@ -327,7 +337,7 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
         if on_result is not None:
             on_result(res)
         summary.rows_failed += res.error is not None
-        summary.completion_tokens += res.completion_tokens or 0
+        summary.completion_tokens += getattr(res, "completion_tokens", None) or 0
         bar.set_postfix_str(postfix(), refresh=False)
         bar.update(1)
         if len(buffer) >= job.output.shard_size or time.monotonic() - last_flush >= job.output.flush_seconds:

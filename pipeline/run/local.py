@@ -11,14 +11,15 @@ import mlx.core as mx
 
 from ..engine import BatchEngine, Engine, Request
 from ..engine.batch import check_kv_memory, memory_limit
+from ..engine.score import score
 from ..errors import RowError
 from ..inputs import InputRow
 from ..jobspec import GenerationSpec, JobSpec
 from ..loader import LoadedModel, load_model
-from ..prompts import Prompt
-from ..results import Result
+from ..prompts import Prompt, build_score_prompt
+from ..results import Result, ScoreResult
 from ..tokenizer import TokenizerError
-from .plan import Sample, failed_result, prepare_sample, row_prompt
+from .plan import Sample, failed_result, failed_score, prepare_sample, row_prompt
 
 
 class GenerationError(RuntimeError):
@@ -186,6 +187,8 @@ def generate_samples(lm: LoadedModel, job: JobSpec, samples, record: Callable[[R
         GenerationError: generating a row raised something that is not a ``RowError`` (a row's own problem
             becomes its ``error`` column); the rows recorded before it are finished.
     """
+    if job.task == "score":
+        return score_choices(lm, job, samples, record, stopping, warm_up)
     if lm.engine.path.name == "batched":
         return _run_batched(lm, job, planned, samples, record, stopping, positions, warm_up, batch_size, note)
     prompt_of = (None, None)  # (row index, its Prompt or RowError): samples of a row share it
@@ -202,6 +205,82 @@ def generate_samples(lm: LoadedModel, job: JobSpec, samples, record: Callable[[R
         except Exception as e:  # not a RowError (generate_row keeps those): stop the run
             raise GenerationError.of(e, [(row.id, k)]) from e
         record(res)
+    return 0
+
+
+def score_row(lm: LoadedModel, job: JobSpec, row: InputRow, indices: list[int],
+              choices: list[str] | str) -> list[ScoreResult]:
+    """``task: score``: the output rows of the choices ``indices`` of ``row`` (``choices`` from
+    ``plan.row_choices``): its context prefilled once, those choices scored in one batch from its KV
+    (``engine.score.score``). Row problems (the choices cell, the prompt, a context + continuation longer
+    than the model's context) fail every choice of the row; a choice that encodes to no tokens fails alone."""
+    t0 = time.perf_counter()
+    text = row.prompt if row.messages is None else None
+    if isinstance(choices, str):
+        return [failed_score(row, k, text, None, choices, t0) for k in indices]
+    picked = [choices[k] for k in indices]
+    try:
+        if row.error is not None:
+            raise RowError(row.error)
+        sp = build_score_prompt(row, job.input, lm.tokenizer, picked)
+    except RowError as e:
+        return [failed_score(row, k, text, c, str(e), t0) for k, c in zip(indices, picked)]
+    ok = [i for i, ids in enumerate(sp.continuation_ids) if ids]
+    out: dict[int, ScoreResult] = {
+        i: failed_score(row, indices[i], sp.text, picked[i], f"choice {indices[i]} ({picked[i]!r}) encodes to no tokens",
+                        t0) for i in range(len(picked)) if i not in ok}
+    if ok:
+        times: dict = {}
+        mx.reset_peak_memory()
+        try:
+            scores, why = score(lm.engine, sp.context_ids, [sp.continuation_ids[i] for i in ok], times)
+        except RowError as e:
+            scores, why = e, None
+        if why:
+            lm.engine.note(f"scoring each choice with its own prefill: {why}", kind="score")
+        total, peak = time.perf_counter() - t0, mx.get_peak_memory()
+        for j, i in enumerate(ok):
+            if isinstance(scores, RowError):
+                out[i] = failed_score(row, indices[i], sp.text, picked[i], str(scores), t0)
+                continue
+            s = scores[j]
+            out[i] = ScoreResult(id=row.id, choice_index=indices[i], prompt=sp.text, choice=picked[i],
+                                 logprob_sum=s.logprob_sum, num_tokens=s.num_tokens, is_greedy=s.is_greedy,
+                                 token_logprobs=s.token_logprobs, prompt_tokens=len(sp.context_ids),
+                                 ttft_s=times.get("prefill_s"), total_s=total, peak_memory_bytes=peak,
+                                 shared_context=why is None, error=None)
+    return [out[i] for i in range(len(picked))]
+
+
+def score_choices(lm: LoadedModel, job: JobSpec, samples, record: Callable[[ScoreResult], None],
+                  stopping: Callable[[], bool] = lambda: False,
+                  warm_up: Callable[[BatchEngine | None], None] | None = None) -> int:
+    """``task: score``: score ``samples`` ((row, choice index, choices) triples in input order, as
+    ``plan.plan_choices`` gives them; the pending choices of a row run together, ``score_row``), calling
+    ``record`` with each ``ScoreResult``. Once ``stopping()`` is true no new row starts. Returns 0 (no
+    compiled closures: scoring runs the model's forward eagerly).
+
+    Raises:
+        GenerationError: scoring a row raised something that is not a ``RowError``.
+    """
+    groups: list[tuple[InputRow, list[int], object]] = []
+    for row, k, choices in samples:
+        if groups and groups[-1][0].index == row.index:
+            groups[-1][1].append(k)
+        else:
+            groups.append((row, [k], choices))
+    for row, indices, choices in groups:
+        if stopping():
+            break
+        if warm_up is not None:
+            warm_up(None)
+            warm_up = None
+        try:
+            results = score_row(lm, job, row, indices, choices)
+        except Exception as e:  # not a RowError (score_row keeps those): stop the run
+            raise GenerationError.of(e, [(row.id, k) for k in indices]) from e
+        for res in results:
+            record(res)
     return 0
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import pyarrow as pa
 
 from .. import __version__, outdir, shards
 from ..engine import GenerateParams
@@ -18,7 +19,7 @@ from ..jobspec import GenerationSpec, JobSpec, JobSpecError, with_overrides
 from ..loader import LoadedModel, model_identity
 from ..prompts import Prompt, build_prompt
 from ..resolve import resolve_model
-from ..results import Result, schema_digest
+from ..results import Result, ScoreResult, result_schema, schema_digest
 from ..shards import read_manifest
 
 # The digest (``results.schema_digest``) of the shard schema of every output dir written before the
@@ -40,6 +41,10 @@ def fingerprint(job: JobSpec, model_id: dict) -> dict:
     nullability, the input-dependent ``id`` type left out), so a changed column refuses output dirs
     written with the old one, with no version to bump; left out while it is ``UNRECORDED_SCHEMA``, the
     schema of every output dir written before it existed (their fingerprints hold).
+
+    ``task: score`` adds ``task`` and ``score`` (the choices or continuation column) and leaves out
+    ``generation`` (unused); with ``task: generate`` neither key appears, so fingerprints of jobs written
+    before scoring existed hold.
     """
     inp = job.input
     fp = {
@@ -63,7 +68,12 @@ def fingerprint(job: JobSpec, model_id: dict) -> dict:
         "engine": {k: v for k, v in dataclasses.asdict(job.engine).items()
                    if k != "max_kv_memory_gb" and not (k == "fused" and v == "auto")},
     }
-    if (schema := schema_digest()) != UNRECORDED_SCHEMA:
+    if job.task == "score":
+        fp["task"] = "score"
+        fp["score"] = {"choices_column": inp.choices_column, "continuation_column": inp.continuation_column}
+        del fp["generation"]
+        fp["schema"] = schema_digest(result_schema(pa.string(), "score"))
+    elif (schema := schema_digest()) != UNRECORDED_SCHEMA:
         fp["schema"] = schema
     return fp
 
@@ -211,9 +221,12 @@ def prepare_sample(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: i
     return s
 
 
-def plan_samples(job: JobSpec, rows: list[InputRow]) -> list[tuple[InputRow, int, GenerationSpec | str]]:
+def plan_samples(job: JobSpec, rows: list[InputRow]) -> list[tuple]:
     """Every (row, sample index, settings) the job produces, in input order: ``n`` samples per row
-    (the row's own ``n`` override if valid; 1 for a row whose overrides are invalid)."""
+    (the row's own ``n`` override if valid; 1 for a row whose overrides are invalid). ``task: score``:
+    ``plan_choices``."""
+    if job.task == "score":
+        return plan_choices(job, rows)
     out = []
     for row in rows:
         gen = row_generation(job, row)
@@ -230,3 +243,40 @@ def row_prompt(row: InputRow, job: JobSpec, lm: LoadedModel) -> Prompt | RowErro
         return build_prompt(row, job.input, lm.tokenizer)
     except RowError as e:
         return e
+
+
+def row_choices(job: JobSpec, row: InputRow) -> list[str] | str:
+    """The continuations ``task: score`` scores for ``row``: its ``input.choices_column`` list, or its
+    ``input.continuation_column`` string as a list of one; or why the cell is unusable (the row fails with
+    that error, naming the row and the column)."""
+    inp = job.input
+    if inp.continuation_column is not None:
+        if not isinstance(row.choices, str):
+            return f"input.continuation_column {inp.continuation_column!r} of row {row.id!r} is null"
+        return [row.choices]
+    cell = row.choices
+    if not isinstance(cell, list) or not cell or not all(isinstance(c, str) for c in cell):
+        got = "null" if cell is None else "an empty list" if cell == [] else (
+            "a list with a null" if isinstance(cell, list) else type(cell).__name__)
+        return (f"input.choices_column {inp.choices_column!r} of row {row.id!r} must be a non-empty list of "
+                f"strings, got {got}")
+    return cell
+
+
+def plan_choices(job: JobSpec, rows: list[InputRow]) -> list[tuple[InputRow, int, list[str] | str]]:
+    """``task: score``: every (row, choice index, the row's choices or why they are unusable) in input
+    order, one per choice (``row_choices``; one, index 0, for a row whose choices cell is unusable)."""
+    out = []
+    for row in rows:
+        choices = row_choices(job, row)
+        out += [(row, k, choices) for k in range(1 if isinstance(choices, str) else len(choices))]
+    return out
+
+
+def failed_score(row: InputRow, choice_index: int, text: str | None, choice: str | None, error: str,
+                 t0: float) -> ScoreResult:
+    """The output row of a (row, choice) of ``task: score`` that failed with ``error``; ``t0`` as
+    ``failed_result``."""
+    return ScoreResult(id=row.id, choice_index=choice_index, prompt=text, choice=choice, logprob_sum=None,
+                       num_tokens=None, is_greedy=None, token_logprobs=None, prompt_tokens=None, ttft_s=None,
+                       total_s=time.perf_counter() - t0, peak_memory_bytes=None, shared_context=None, error=error)

@@ -167,7 +167,7 @@ class _UnitWorker:
         closures = generate_samples(self.lm, self.job, samples, record, positions=self.positions,
                                     batch_size=self.batch_size, warm_up=warm_up)
         self.batch_closures = max(self.batch_closures, closures)
-        results.sort(key=lambda r: order[(r.id, r.sample_index)])
+        results.sort(key=lambda r: order[r.key])
         entry = write_shard(self.out_dir, unit, results_table(results, self.schema))
         attempts.unlink(missing_ok=True)
         return {"entry": json.dumps(entry), "failed": sum(r.error is not None for r in results),

@@ -1,0 +1,198 @@
+"""task: score as a job, on a tiny random-weight model: output rows, bad cells, job errors, validate,
+resume, the fingerprint, export --pivot, and a SIGKILL mid-run resumed through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from conftest import ROOT
+from pipeline.export import export_results
+from pipeline.jobspec import JobSpecError, job_from_dict
+from pipeline.run import run_job
+from pipeline.run.plan import fingerprint
+from tiny_model import wait_until, write_tiny_model
+
+ROWS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pipeline_home(tiny_model, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIPELINE_HOME", str(tmp_path_factory.mktemp("pipeline-home")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    """ROWS questions of 4 choices; q03: null choices, q04: an empty list, q05: a null choice, q06: an empty
+    choice after a context without trailing whitespace (no tokens)."""
+    choices = [[f" answer {k} to {i}", f" option {k}", " yes", " no"] for i in range(ROWS) for k in [i % 3]]
+    choices[3], choices[4], choices[5] = None, [], [" a", None]
+    choices[6] = [" fine", ""]
+    path = tmp_path_factory.mktemp("input") / "q.parquet"
+    pq.write_table(pa.table({"id": [f"q{i:02d}" for i in range(ROWS)],
+                             "question": [f"Question {i}: what is {i} plus {i}?" for i in range(ROWS)],
+                             "choices": pa.array(choices, pa.list_(pa.string()))}), path)
+    return path
+
+
+def job_dict(model, path, out, **inp) -> dict:
+    return {"model": str(model), "task": "score",
+            "input": {"path": str(path), "id_column": "id", "template": "{{ question }}\nAnswer:",
+                      "choices_column": "choices", "apply_chat_template": False, **inp},
+            "output": {"dir": str(out), "shard_size": 8}}
+
+
+def read(out) -> pa.Table:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return pa.concat_tables([pq.read_table(out / s["file"]) for s in manifest["shards"]])
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory, tiny_model, questions):
+    out = tmp_path_factory.mktemp("run") / "out"
+    summary = run_job(job_from_dict(job_dict(tiny_model, questions, out)), progress=False, echo=lambda _: None)
+    return out, summary
+
+
+def test_one_row_per_choice_and_bad_cells_fail_by_row_and_column(scored):
+    out, summary = scored
+    t = read(out).to_pylist()
+    by = {(r["id"], r["choice_index"]): r for r in t}
+    assert len(t) == (ROWS - 3) * 4 - 2 + 3  # q03-q05: one failed row each; q06 has 2 choices
+    assert by["q03", 0]["error"] == "input.choices_column 'choices' of row 'q03' must be a non-empty list of strings, got null"
+    assert "got an empty list" in by["q04", 0]["error"] and "got a list with a null" in by["q05", 0]["error"]
+    assert by["q06", 1]["error"] == "choice 1 ('') encodes to no tokens" and by["q06", 0]["error"] is None
+    ok = by["q00", 2]
+    assert ok["choice"] == " yes" and ok["num_tokens"] == len(ok["token_logprobs"]) >= 1
+    assert ok["logprob_sum"] == pytest.approx(sum(ok["token_logprobs"]), abs=1e-5) and ok["logprob_sum"] < 0
+    assert ok["shared_context"] is True and ok["prompt_tokens"] > 0 and ok["error"] is None
+    assert summary.rows_failed == 4
+    assert summary.line().startswith(f"done: {len(t)} scored choices written (4 failed, 0 from earlier runs)")
+    assert "--pivot" in summary.line()
+
+
+def test_report_refuses_score_outputs(scored):
+    from pipeline.report import ReportError, write_report
+
+    with pytest.raises(ReportError, match="task: score results"):
+        write_report(scored[0])
+
+
+def test_schema(scored):
+    schema = read(scored[0]).schema
+    assert {f.name: f.type for f in schema} == {
+        "id": pa.string(), "choice_index": pa.int32(), "prompt": pa.string(), "choice": pa.string(),
+        "logprob_sum": pa.float64(), "num_tokens": pa.int32(), "is_greedy": pa.bool_(),
+        "token_logprobs": pa.list_(pa.float32()), "prompt_tokens": pa.int32(), "ttft_s": pa.float64(),
+        "total_s": pa.float64(), "peak_memory_bytes": pa.int64(), "shared_context": pa.bool_(), "error": pa.string()}
+
+
+def test_resume_gives_the_same_rows(tmp_path, tiny_model, questions, scored):
+    job = job_from_dict(job_dict(tiny_model, questions, tmp_path / "out"))
+    first = run_job(job, limit=5, progress=False, echo=lambda _: None)
+    assert first.rows_written == 4 * 3 + 2
+    rest = run_job(job, progress=False, echo=lambda _: None)
+    assert rest.rows_skipped == first.rows_written
+    cols = ["id", "choice_index", "logprob_sum", "token_logprobs", "is_greedy", "error"]
+    key = lambda r: (r["id"], r["choice_index"])  # noqa: E731
+    assert sorted(read(tmp_path / "out").select(cols).to_pylist(), key=key) == \
+        sorted(read(scored[0]).select(cols).to_pylist(), key=key)
+    assert run_job(job, progress=False, echo=lambda _: None).rows_written == 0
+
+
+def test_fingerprint_holds_the_task_and_the_column(tiny_model, questions, tmp_path):
+    score = fingerprint(job_from_dict(job_dict(tiny_model, questions, tmp_path)), {"sha256": "x"})
+    assert score["task"] == "score" and score["score"]["choices_column"] == "choices" and "generation" not in score
+    gen = job_from_dict({"input": {"path": str(questions)}, "output": {"dir": str(tmp_path)}})
+    assert "task" not in fingerprint(gen, {"sha256": "x"})  # generation fingerprints as before
+    other = job_dict(tiny_model, questions, tmp_path)
+    other["input"] = {**other["input"], "choices_column": None, "continuation_column": "question"}
+    assert fingerprint(job_from_dict(other), {"sha256": "x"})["score"] != score["score"]
+
+
+def test_export_pivot(scored, tmp_path):
+    export_results(scored[0], str(tmp_path / "p.parquet"), pivot=True, join_input=True, warn=lambda _: None)
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "p.parquet").to_pylist()}
+    assert len(rows) == ROWS
+    r = rows["q01"]
+    assert r["pred"] == max(range(4), key=lambda k: r["logprob_sum"][k])
+    assert r["pred_norm"] == max(range(4), key=lambda k: r["logprob_sum"][k] / r["num_tokens"][k])
+    assert r["choices"][2] == " yes" and r["question"].startswith("Question 1:")
+    assert rows["q03"]["pred"] is None and "q03" in rows["q03"]["error"]
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"choices_column": None}, "task: score needs exactly one of input.choices_column"),
+    ({"continuation_column": "question"}, "task: score needs exactly one of"),
+])
+def test_job_errors(tiny_model, questions, tmp_path, change, problem):
+    d = job_dict(tiny_model, questions, tmp_path)
+    d["input"].update(change)
+    with pytest.raises(JobSpecError, match=problem):
+        job_from_dict(d)
+    with pytest.raises(JobSpecError, match="input.choices_column is for task: score"):
+        job_from_dict({"input": {"path": str(questions), "choices_column": "choices"}, "output": {"dir": "x"}})
+    with pytest.raises(JobSpecError, match="batch_size must be 1 with task: score"):
+        job_from_dict({**job_dict(tiny_model, questions, tmp_path), "engine": {"batch_size": 4}})
+
+
+def cli(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(["pipeline", *args], capture_output=True, text=True, cwd=ROOT, **kw)
+
+
+def test_missing_column_is_one_line_before_the_model_loads(tmp_path, tiny_model, questions):
+    job = job_dict(tiny_model, questions, tmp_path / "out", choices_column="options")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    for cmd in ("run", "validate"):
+        proc = cli(cmd, str(tmp_path / "job.yaml"))
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith(
+            "error: input.choices_column: column 'options' not found in "), proc.stderr
+        assert "loaded" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_validate_counts_choices(tmp_path, tiny_model, questions):
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job_dict(tiny_model, questions, tmp_path / "out")))
+    proc = cli("validate", str(tmp_path / "job.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"{ROWS} input rows ({(ROWS - 3) * 4 - 2 + 3} output rows, task: score, one per choice)" in proc.stdout
+
+
+def test_sigkill_mid_run_then_resume(tmp_path, tiny_model, questions, scored):
+    out = tmp_path / "out"
+    job = job_dict(tiny_model, questions, out)
+    job["output"]["shard_size"] = 4
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    cmd = ["pipeline", "run", str(tmp_path / "job.yaml"), "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def committed() -> int:
+        try:
+            return json.loads((out / "manifest.json").read_text())["rows"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return 0
+
+    wait_until(lambda: committed() > 0, proc, what="the first commit")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr  # the bad cells
+    cols = ["id", "choice_index", "logprob_sum", "token_logprobs", "is_greedy", "num_tokens", "error"]
+    rows = read(out).select(cols).to_pylist()
+    assert len({(r["id"], r["choice_index"]) for r in rows}) == len(rows)
+    key = lambda r: (r["id"], r["choice_index"])  # noqa: E731
+    assert sorted(rows, key=key) == sorted(read(scored[0]).select(cols).to_pylist(), key=key)
