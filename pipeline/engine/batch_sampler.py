@@ -47,7 +47,7 @@ class BatchKind:
     Attributes:
         greedy: some row takes the argmax.
         sampled: some row draws (temperature > 0).
-        filters: some drawing row has one (a sort of the vocabulary).
+        filters: some drawing row has one (``sampler.keep_mask``, or the CUDA kernel's cuts).
         penalties: some row has a repetition, presence or frequency penalty.
         suppress: some row masks stop ids until ``min_tokens``.
         logprobs: the distinct top-k of the rows that report logprobs, ascending (0: the chosen token's

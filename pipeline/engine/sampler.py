@@ -37,6 +37,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from .cuda.sample import sample_kernel
+
 NEG_INF = float("-inf")
 
 
@@ -151,20 +153,15 @@ MASS_BITS = 40  # fixed-point bits of a token's mass w = exp(x - max) in [0, 1];
 FRACTION_BITS = 24  # bits of the fractions top_p and u that scale a total mass (float32 has a 24-bit mantissa)
 
 
-def token_mass(x: mx.array, values: mx.array | None = None) -> tuple[mx.array, mx.array]:
+def token_mass(x: mx.array) -> tuple[mx.array, mx.array]:
     """Each token's mass relative to the row's most likely one, for ``x`` ``(rows, V)`` float32.
-
-    Args:
-        values: a permutation of each row of ``x`` (e.g. sorted), to get the same numbers for those
-            tokens in that order; None: ``x`` itself.
 
     Returns:
         ``(w, mass)``: ``w = exp(x - max)`` ``(rows, V)`` float32 (a row whose max is infinite: 1 where ``x`` is
         the max, else 0), and ``floor(w * 2**MASS_BITS)`` ``(rows, V)`` int64.
     """
     m = mx.max(x, axis=-1, keepdims=True)
-    v = x if values is None else values
-    w = mx.where(mx.isinf(m), (v == m).astype(mx.float32), mx.exp(v - m))
+    w = mx.where(mx.isinf(m), (x == m).astype(mx.float32), mx.exp(x - m))
     return w, (w * float(1 << MASS_BITS)).astype(mx.int64)
 
 
@@ -210,8 +207,6 @@ def sample_tokens(x: mx.array, top_k, top_p, min_p, u: mx.array, filters: bool) 
     """A token per row of ``x`` ``(rows, V)`` float32 (penalized, temperature-scaled logits) for uniforms
     ``u`` ``(rows, 1)`` float32: ``keep_mask`` (when ``filters``) and ``draw``, as MLX ops, or as the CUDA
     sampling kernel where it runs (same tokens for the same masses). Returns ``(rows,)`` uint32."""
-    from .cuda.sample import sample_kernel
-
     kernel = sample_kernel(x)
     if kernel is not None:
         return kernel(x, top_k, top_p, min_p, u, filters)

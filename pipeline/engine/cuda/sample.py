@@ -37,10 +37,15 @@ def _kernel(vocab: int, filters: bool):
     return k
 
 
+def _column(a, dtype: mx.Dtype, rows: int) -> mx.array:
+    """A setting (a Python or array scalar, or ``(rows, 1)``) as a ``(rows, 1)`` array of ``dtype``."""
+    a = a if isinstance(a, mx.array) else mx.array(a)
+    return mx.broadcast_to(a.astype(dtype).reshape(-1, 1), (rows, 1))
+
+
 def _call(x: mx.array, top_k, top_p, min_p, u: mx.array, filters: bool) -> mx.array:
     rows, vocab = x.shape
-    col = lambda a, dt: mx.broadcast_to(mx.array(a, dtype=dt).reshape(-1, 1) if not isinstance(a, mx.array)  # noqa: E731
-                                        else a.astype(dt).reshape(-1, 1), (rows, 1))
-    inputs = [x, col(top_k, mx.int32), col(top_p, mx.float32), col(min_p, mx.float32), col(u, mx.float32)]
+    inputs = [x, _column(top_k, mx.int32, rows), _column(top_p, mx.float32, rows), _column(min_p, mx.float32, rows),
+              _column(u, mx.float32, rows)]
     return _kernel(vocab, filters)(inputs=inputs, grid=(rows * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
                                    output_shapes=[(rows,)], output_dtypes=[mx.uint32])[0]
