@@ -186,6 +186,53 @@ def test_greedy_request_does_not_depend_on_its_neighbours(window):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
+def test_load_slots_writes_each_slot_in_place(dtype):
+    """``pl_load_slots``: slots 3 and 0 of buffers full of noise get rows 1 and 0 of a group prefill's caches
+    at their prompt positions and zeros after, bitwise; the other slots and the arrays themselves stay."""
+    model = make_model(dtype)
+    be = BatchEngine(engine_for(model), 4, 300)
+    dec = be.decoder
+    rng = np.random.default_rng(8)
+    a = model.model.layers[0].self_attn
+    cap = be.kinds[0].capacity
+    src = [mx.array(rng.standard_normal((3, a.n_kv_heads, 32, a.head_dim)).astype(np.float32)).astype(dtype)
+           for _ in (0, 1)]
+    dst = [mx.array(rng.standard_normal((4, a.n_kv_heads, cap, a.head_dim)).astype(np.float32)).astype(dtype)
+           for _ in (0, 1)]
+    mx.eval(src, dst)
+    before = [np.array(d.astype(mx.float32)) for d in dst]
+    done = dec.load_slots(0, *src, mx.array([1, 0], mx.int32), mx.array([3, 0], mx.int32), mx.array([20, 32], mx.int32),
+                          *dst)
+    mx.eval(done)
+    for s, d, b in zip(src, dst, before):
+        got, s = np.array(d.astype(mx.float32)), np.array(s.astype(mx.float32))
+        want = b.copy()
+        want[3], want[0] = 0, 0
+        want[3, :, :20], want[0, :, :32] = s[1, :, :20], s[0]
+        np.testing.assert_array_equal(got, want)
+
+
+@gpu
+@pytest.mark.parametrize("window", [None, 16], ids=["full", "rotating16"])
+def test_compiled_cuda_step_equals_eager(window):
+    """``engine.compile`` on the CUDA step (``mx.compile`` of ``BatchedDecoder.step``): a run's tokens and
+    logprobs are bitwise the eager step's, float16, slots reused by 7 requests of 1-140 prompt tokens."""
+    model = make_model(mx.float16)
+    spec = CacheSpec(max_kv_size=window) if window else None
+    reqs = [Request(i, p, GenerateParams(max_tokens=6 + 3 * i, logprobs=1))
+            for i, p in enumerate(prompts_of([23, 1, 140, 9, 64, 40, 17], seed=11))]
+    runs = {}
+    for c in (True, False):
+        be = BatchEngine(Engine(model, [], 4096, cache_spec=spec, compile=c, fused=False), 3, 192)
+        assert be.path == "cuda-batched" and be.compiled == c
+        runs[c] = dict(be.run(reqs))
+    for r in reqs:
+        assert runs[True][r.tag].token_ids == runs[False][r.tag].token_ids
+        assert runs[True][r.tag].logprobs == runs[False][r.tag].logprobs
+
+
+@gpu
 def test_generic_step_where_the_cuda_one_cannot_run_logged_once(caplog):
     """Unfused q/k/v projections (or quantized KV caches): the generic step, its reason logged once per engine."""
     model = make_model(mx.float16, fuse=False)

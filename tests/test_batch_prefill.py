@@ -15,7 +15,7 @@ from pipeline.jobspec import CacheSpec
 from test_batch import (CHAT, CONTEXT, MIN_IDENTICAL, NO_EOS, assert_same_greedy, chat_ids, gemma3,  # noqa: F401
                         llama, prompts_of, run_all, sequential)
 
-STEP = 64  # prefill_step_size: buckets 16, 32, 64 of 4, 2 and 1 rows; longer prompts are prefilled alone
+STEP = 64  # prefill_step_size and prefill_tokens: buckets 16, 32, 64 of 4, 2 and 1 rows; longer prompts alone
 LENGTHS = [23, 1, 40, 9, 31, 5, 17, 12, 70, 16, 33, 2]
 PROMPTS = prompts_of(LENGTHS, seed=3)
 MAX_POSITIONS = 96
@@ -40,7 +40,7 @@ def test_group_prefill_equals_sequential(request, case):
     params = GenerateParams(max_tokens=10)
     reqs = [Request(i, p, params) for i, p in enumerate(PROMPTS)]
     ref = sequential(engine, [Request(r.tag, r.prompt_ids, GenerateParams(max_tokens=10, logprobs=2)) for r in reqs])
-    be = BatchEngine(engine, 5, MAX_POSITIONS, prefill_batch=True)
+    be = BatchEngine(engine, 5, MAX_POSITIONS, prefill_batch=True, prefill_tokens=STEP)
     assert {n: be.prefill_rows(n) for n in rows} == rows
     got = run_all(be, reqs)
     for r in reqs:
@@ -55,7 +55,7 @@ def test_group_prefill_equals_sequential(request, case):
 
 def test_grouped_request_does_not_depend_on_its_neighbours(llama):
     engine = engine_for(llama)
-    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True)
+    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True, prefill_tokens=STEP)
     x = Request("x", PROMPTS[3], GenerateParams(max_tokens=12, logprobs=1))  # 9 tokens: bucket 16, 4 rows
     same_bucket = [Request(i, p, GenerateParams(max_tokens=2 + i)) for i, p in enumerate(PROMPTS) if len(p) <= 16]
     runs = []
@@ -72,7 +72,7 @@ def test_one_prefill_forward_between_decode_steps(llama):
     """Once slots decode, a step's admissions wait for at most one prefill forward; at the start
     (nothing decoding) every free slot is filled at once."""
     engine = engine_for(llama)
-    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True)
+    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True, prefill_tokens=STEP)
     events: list[str] = []
     prefill, step_fn = be._prefill, be._step_fn
 
@@ -102,6 +102,42 @@ def test_one_prefill_forward_between_decode_steps(llama):
     assert later.count("p") >= 5 and "pp" not in later
 
 
+def test_admission_waits_for_slots_enough_to_fill_a_forward(llama):
+    """16 slots, bucket-16 forwards of 4 rows: while slots decode, a forward waits for
+    ``admit_at(16)`` = min(4, 16 // 8) = 2 free slots, unless every request left fits; rows ending one per
+    step are admitted in pairs. The results stay the sequential ones."""
+    engine = engine_for(llama)
+    be = BatchEngine(engine, 16, MAX_POSITIONS, prefill_batch=True, prefill_tokens=STEP)
+    assert be.admit_at(16) == 2 and be.admit_at(64) == 1 and be.admit_at(None) == 1
+    groups: list[tuple[int, bool]] = []  # (requests in the forward, whether slots were decoding)
+    prefill, step_fn = be._prefill, be._step_fn
+    steps = [0]
+
+    def counting_prefill(group, size):
+        groups.append((len(group), steps[0] > 0))
+        return prefill(group, size)
+
+    def counting_step_fn():
+        step = step_fn()
+
+        def counted(*args):
+            steps[0] += 1
+            return step(*args)
+        return counted
+
+    be._prefill, be._step_fn = counting_prefill, counting_step_fn
+    prompts = prompts_of([3 + i % 10 for i in range(23)], seed=9)  # bucket 16 each
+    reqs = [Request(i, p, GenerateParams(max_tokens=2 + i)) for i, p in enumerate(prompts)]  # one ends per step
+    got = run_all(be, reqs)
+    ref = sequential(engine, reqs)
+    for r in reqs:
+        assert got[r.tag].token_ids == ref[r.tag].token_ids
+    later = [n for n, decoding in groups if decoding]
+    assert groups[:4] == [(4, False)] * 4  # the start fills every slot at once
+    assert later and all(n >= 2 for n in later[:-1]), later  # pairs; the last may be the one request left
+    assert sum(n for n, _ in groups) == len(reqs)
+
+
 def test_default_model_group_prefill_matches_sequential(default_model):
     tok = default_model.tokenizer
     engine = Engine(default_model.model, tok.eos_token_ids, default_model.engine.context_length, tokenizer=tok,
@@ -109,7 +145,7 @@ def test_default_model_group_prefill_matches_sequential(default_model):
     params = GenerateParams(max_tokens=16)
     reqs = [Request(i, chat_ids(tok, p), params) for i, p in enumerate(CHAT)]
     ref = sequential(engine, reqs)
-    be = BatchEngine(engine, 4, 128, prefill_batch=True)
+    be = BatchEngine(engine, 4, 128, prefill_batch=True, prefill_tokens=128)
     got = run_all(be, reqs)
     identical = sum(got[r.tag].token_ids == ref[r.tag].token_ids and got[r.tag].text == ref[r.tag].text for r in reqs)
     assert identical >= MIN_IDENTICAL, f"{identical}/{len(reqs)} identical"
@@ -118,11 +154,11 @@ def test_default_model_group_prefill_matches_sequential(default_model):
 
 def test_warm_up_lengths_cover_every_bucket(llama):
     engine = engine_for(llama)
-    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True)
+    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True, prefill_tokens=STEP)
     assert be.warm_up_lengths() == [16, 32, 64]
     run_all(be, [Request(n, p, GenerateParams(max_tokens=3))
                  for n, p in zip(be.warm_up_lengths(), prompts_of(be.warm_up_lengths(), seed=7))])
     assert be.prefill_counts == {16: 1, 32: 1, 64: 1}
     assert BatchEngine(engine_for(llama, CacheSpec(max_kv_size=32)), 4, MAX_POSITIONS,
-                       prefill_batch=True).warm_up_lengths() == [16, 32]
+                       prefill_batch=True, prefill_tokens=STEP).warm_up_lengths() == [16, 32]
     assert BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=False).warm_up_lengths() == [8]

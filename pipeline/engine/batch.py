@@ -3,13 +3,15 @@
 Prefill. With ``prefill_batch`` (on by default on a GPU, where a short prompt's forward costs its
 kernel launches, not its arithmetic), requests admitted together are prefilled together: prompts of
 up to ``prefill_step_size`` tokens are padded (after the prompt) to a power-of-two bucket of at least
-16 tokens, and each bucket runs as ONE forward of ``prefill_step_size // bucket`` rows (idle rows are
+16 tokens, and each bucket runs as ONE forward of ``prefill_tokens // bucket`` rows (idle rows are
 padding), so a prompt's arithmetic never depends on which prompts share its forward. Longer prompts,
 quantized layers, and buckets longer than a rotating layer's window are prefilled alone (batch 1,
 through the engine's own caches, chunked exactly as in sequential mode), as every prompt is on the
 CPU, where prefill is bound by arithmetic and batching gains nothing. While slots are decoding, at
 most one prefill forward runs between two decode steps, so admission stalls them for one chunk at
-most. A prefilled request's keys and values are copied into its *slot*: row ``b`` of per-layer batch
+most, and it waits until enough slots are free to fill it (``admit_at``). Admission never waits for
+the device: a new request's first token stays on it, fed to the next step and read back with that
+step's tokens, so the host prefills while the device decodes. A prefilled request's keys and values are copied into its *slot*: row ``b`` of per-layer batch
 buffers ``(B, n_kv_heads, capacity, head_dim)`` (quantized layers: the ``(packed, scales, biases)``
 triples). Each decode step runs the unmodified model on the
 ``(B, 1)`` tokens of every slot against ``BatchView`` s of those buffers, with each slot's own
@@ -47,7 +49,7 @@ import numpy as np
 
 from ..errors import JobSpecError, RowError
 from ..models.base import output_logits
-from .batch_sampler import SlotSampler
+from .batch_sampler import SlotSampler, StepLogprobs
 from .cache import KVCache, RotatingKVCache
 from .cuda import BatchedDecoder, batched_blocker
 from .params import Generation
@@ -56,6 +58,10 @@ from .sequential import Engine
 from .views import BatchView, stored_slots, layer_capacity, layer_kind, position_bytes
 
 PREFILL_MIN_BUCKET = 16  # shortest padded length of a group prefill (tokens)
+# Padded tokens per group prefill forward (mlx-lm's default prefill_step_size). On the H200 a forward of
+# 4 x 128 tokens (SmolLM2-135M) took 10 ms, of which the GPU was busy 1.9 ms: its cost is the host's
+# launches, so more rows per forward admit more requests for the same cost (docs/BENCHMARKS.md).
+PREFILL_TOKENS = 2048
 
 
 def device_memory() -> int | None:
@@ -114,22 +120,26 @@ class BatchEngine:
             (``views.layer_capacity``: a power-of-two bucket >= 256, at most a layer's window).
         prefill_batch: prefill requests admitted together in one forward per length bucket (module
             docstring); None: on when MLX's default device is a GPU.
+        prefill_tokens: padded tokens of one group prefill forward: ``prefill_rows(size)`` is
+            ``prefill_tokens // size`` rows.
 
     Attributes:
         prefill_counts: prefill forwards run so far, per padded length (None: a prompt prefilled alone).
 
     Memory: ``kv_bytes()`` = B x capacity x ``position_bytes`` summed over layers, allocated at the first
-    request and kept for the run; a group prefill's caches hold ``prefill_step_size`` positions per
+    request and kept for the run; a group prefill's caches hold ``prefill_tokens`` positions per
     bucket.
     """
 
-    def __init__(self, engine: Engine, batch_size: int, max_positions: int, prefill_batch: bool | None = None):
+    def __init__(self, engine: Engine, batch_size: int, max_positions: int, prefill_batch: bool | None = None,
+                 prefill_tokens: int = PREFILL_TOKENS):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.engine = engine
         self.B = batch_size
         self.max_positions = max_positions
         self.prefill_batch = mx.default_device().type == mx.gpu if prefill_batch is None else bool(prefill_batch)
+        self.prefill_tokens = prefill_tokens
         self._groups: dict[int, list] = {}
         self.prefill_counts: dict[int | None, int] = {}  # prefill forwards run, per padded length (None: alone)
         self.kinds = tuple(layer_kind(c, layer_capacity(c, max_positions)) for c in engine.cache)
@@ -162,12 +172,17 @@ class BatchEngine:
 
     @property
     def compiled(self) -> bool:
-        return bool(self.engine.compile) and self.path == "generic"
+        """Whether the batched step is ``mx.compile``d: the generic step as ``engine.compile`` says (its
+        "auto" rule is the sequential one), the CUDA step unless ``engine.compile`` was asked to be False
+        (compiled, it ran 20% faster than eager on the H200 with bitwise equal logits)."""
+        if self.path == "cuda-batched":
+            return self.engine.compile_setting is not False
+        return bool(self.engine.compile)
 
     @property
     def path(self) -> str:
-        """The decode step ``run`` uses: "cuda-batched" (``cuda.BatchedDecoder``, never ``mx.compile``d) or
-        "generic" (the model over ``BatchView`` s)."""
+        """The decode step ``run`` uses: "cuda-batched" (``cuda.BatchedDecoder``) or "generic" (the model
+        over ``BatchView`` s)."""
         return "cuda-batched" if self.decoder is not None and self.cuda_step else "generic"
 
     def _step_fn(self):
@@ -216,16 +231,20 @@ class BatchEngine:
         """``step(tokens, pos, active, *buffers)`` through ``cuda.BatchedDecoder``: returns ``(logits,
         greedy, pos + active, *buffers)`` like the generic step, the buffers the same arrays (written in
         place). The attention grid covers each layer's capacity (no host bound is known per step); a row
-        works only on its own filled slots."""
-        key = ("cuda-batched", self.kinds, self.B)
+        works only on its own filled slots. ``mx.compile``d with ``engine.compile`` (the same arithmetic:
+        on the H200 compiled and eager logits were bitwise equal, the step 20% faster because MLX replays
+        the traced graph instead of building it in Python)."""
+        key = ("cuda-batched", self.kinds, self.B, self.compiled)
         if key not in self._closures:
             dec = self.decoder
+            dec.prepare(self.B)  # its scratch arrays exist before a trace captures them
 
             def step(tokens, pos, active, *buffers):
+                self.trace_count += self.compiled
                 logits = dec.step(tokens, pos, None, buffers).astype(mx.float32)
                 return (logits, mx.argmax(logits, axis=-1).astype(mx.uint32), pos + active, *buffers)
 
-            self._closures[key] = step
+            self._closures[key] = mx.compile(step) if self.compiled else step
         return self._closures[key]
 
     def _load_slot(self, b: int) -> None:
@@ -253,12 +272,18 @@ class BatchEngine:
                     new.append(d)
                 self.buffers[2 * i + j] = tuple(new) if isinstance(dst, tuple) else new[0]
 
-    def _load_group(self, slots: list[int], caches, rows: list[int], lengths: list[int]) -> None:
+    def _load_group(self, slots: list[int], caches, rows: list[int], lengths: list[int]) -> list[mx.array]:
         """Copy rows ``rows`` of group caches (dense, ``size`` slots per row, ``lengths`` real positions
-        each) into batch slots ``slots``, one scatter per buffer; a slot's positions after its prompt
-        become zeros."""
+        each) into batch slots ``slots``; a slot's positions after its prompt become zeros. Returns what to
+        evaluate for the copy besides ``self.buffers``: on the CUDA step one ``BatchedDecoder.load_slots``
+        launch per layer writes the buffers in place (its ``done`` arrays are returned); elsewhere one
+        scatter per buffer replaces it (nothing returned)."""
         take = mx.array(rows, dtype=mx.int32)
         at = mx.array(slots, dtype=mx.int32)
+        if self.path == "cuda-batched":
+            n = mx.array(lengths, dtype=mx.int32)
+            return [self.decoder.load_slots(i, c.keys, c.values, take, at, n, self.buffers[2 * i], self.buffers[2 * i + 1])
+                    for i, c in enumerate(caches)]
         for i, (kind, c) in enumerate(zip(self.kinds, caches)):
             size = c.keys.shape[2]
             real = (mx.arange(size)[None, :] < mx.array(lengths)[:, None])[:, None, :, None]
@@ -270,6 +295,7 @@ class BatchEngine:
                 dst = self.buffers[2 * i + j]
                 dst[at] = part
                 self.buffers[2 * i + j] = dst
+        return []
 
     # -- requests --------------------------------------------------------------------------------------
 
@@ -289,9 +315,15 @@ class BatchEngine:
         return None if any(c.max_size is not None and size > c.max_size for c in self.engine.cache) else size
 
     def prefill_rows(self, size: int) -> int:
-        """Rows of every group prefill at padded length ``size``: ``prefill_step_size // size`` (fixed,
-        so a prompt's arithmetic never depends on how many others share its forward)."""
-        return max(1, self.engine.prefill_step_size // size)
+        """Rows of every group prefill at padded length ``size``: ``prefill_tokens // size`` (fixed, so a
+        prompt's arithmetic never depends on how many others share its forward)."""
+        return max(1, self.prefill_tokens // size)
+
+    def admit_at(self, size: int | None) -> int:
+        """Free slots a prefill forward at padded length ``size`` (None: a prompt alone) waits for while
+        other slots decode: enough to fill it (``prefill_rows``), at most an eighth of the slots, so on
+        average a sixteenth of the slots idles while a forward costs the same host time at any fill."""
+        return 1 if size is None else min(self.prefill_rows(size), max(1, self.B // 8))
 
     def warm_up_lengths(self) -> list[int]:
         """One prompt length per group-prefill shape a job can meet (every bucket up to
@@ -320,8 +352,9 @@ class BatchEngine:
     def _prefill(self, group: list[Decoding], size: int | None) -> tuple[list, list, list[int]]:
         """Prefill ``group`` (one request when ``size`` is None, else up to ``prefill_rows(size)`` requests
         padded to ``size`` tokens, in ONE forward of ``prefill_rows(size)`` rows) and sample each one's first
-        token. Returns ``(firsts, caches, rows)``: ``(token id, logprob arrays)`` per request, the caches
-        holding their keys and values, and each request's row in them.
+        token. Returns ``(firsts, caches, rows)``: ``(token (1,) uint32, logprob arrays)`` per request, lazy
+        (nothing waits for the device), the caches holding their keys and values, and each request's row in
+        them.
 
         Padding goes after a prompt, so under the causal mask no real position sees it; the keys and values
         it leaves after the prompt are never copied into a slot."""
@@ -341,9 +374,7 @@ class BatchEngine:
             last = mx.array([d.n_prompt - 1 for d in group] + [0] * (n_rows - len(group)), dtype=mx.int32)
             logits = output_logits(eng.model, mx.take_along_axis(h, last[:, None, None], axis=1), False)[:, 0, :]
             rows = list(range(len(group)))
-        firsts = [d.begin(logits[r : r + 1]) for d, r in zip(group, rows)]
-        mx.eval([y for y, _ in firsts], [e for _, ex in firsts for e in ex], [x for d in group for x in d.state])
-        return [(y.item(), ex) for y, ex in firsts], caches, rows
+        return [d.begin(logits[r : r + 1]) for d, r in zip(group, rows)], caches, rows
 
     def _finish(self, d: Decoding, done: tuple) -> Generation:
         return d.finish(done, compiled=self.compiled)
@@ -367,11 +398,13 @@ class BatchEngine:
 
         pending: list[Decoding] = []  # checked requests waiting for their prefill (at most one per free slot)
 
-        def admit(out: list, decoding: bool) -> set[int]:
-            """Prefill requests into the free slots; returns the slots that got one. While other slots are
-            ``decoding``, at most one prefill forward runs (they wait for no more than one chunk)."""
+        def admit(out: list, decoding: bool) -> dict[int, tuple]:
+            """Prefill requests into the free slots; returns ``{slot: (first token (1,) uint32, its logprob
+            arrays)}`` for the slots that got one, lazy: nothing here waits for the device. While other
+            slots are ``decoding``, at most one prefill forward runs (they wait for no more than one chunk),
+            and only once ``admit_at`` slots are free (or every request left fits)."""
             nonlocal exhausted
-            filled: set[int] = set()
+            seated: dict[int, tuple] = {}
             forwards = 0
             while True:
                 free = [b for b in range(self.B) if slots[b] is None]
@@ -386,8 +419,10 @@ class BatchEngine:
                     except RowError as e:
                         out.append((req.tag, e))
                 if not pending or not free or (decoding and forwards):
-                    return filled
+                    return seated
                 size = self.prefill_bucket(pending[0].n_prompt)
+                if decoding and len(free) < self.admit_at(size) and not (exhausted and len(pending) <= len(free)):
+                    return seated  # wait for slots enough to fill a forward (its cost is per forward)
                 group = [pending.pop(0)]
                 if size is not None:
                     limit = min(self.prefill_rows(size), len(free))
@@ -402,28 +437,41 @@ class BatchEngine:
                     raise
                 forwards += 1
                 self.prefill_counts[size] = self.prefill_counts.get(size, 0) + 1
-                seated = []
-                for d, (tok, extras), r in zip(group, firsts, rows):
-                    done = d.push(tok, extras)
-                    if done:
-                        out.append((d.tag, self._finish(d, done)))
-                    else:
-                        seated.append((free.pop(0), d, r))
-                if not seated:
-                    continue
+                at = free[: len(group)]
                 if self.buffers is None:
                     self._allocate(caches)
+                done = []
                 if size is None:
-                    self._load_slot(seated[0][0])
+                    self._load_slot(at[0])
                 else:
-                    self._load_group([b for b, _, _ in seated], caches, [r for _, _, r in seated],
-                                     [d.n_prompt for _, d, _ in seated])
-                for b, d, _ in seated:
+                    done = self._load_group(at, caches, rows, [d.n_prompt for d in group])
+                for b, d, first in zip(at, group, firsts):
                     slots[b] = d
-                    filled.add(b)
+                    seated[b] = first
+                # queued now, before any later step reads the slots; and the first fill's graph stays small
+                mx.async_eval(*self.buffers, *done, *[y for y, _ in firsts])
+
+        def entering(seated: dict[int, tuple], ahead):
+            """``ahead`` (a launched step's lazy ``(tokens, positions, extras)``, or None) with the slots in
+            ``seated`` taking their first token and prompt length instead: what the next read pushes and
+            the next step is fed."""
+            at = mx.array(list(seated), dtype=mx.int32)
+            toks = mx.zeros((self.B,), dtype=mx.uint32)
+            toks[at] = mx.concatenate([y.astype(mx.uint32) for y, _ in seated.values()])
+            where = np.zeros((self.B,), dtype=np.int32)
+            where[list(seated)] = [slots[b].n_prompt for b in seated]
+            if ahead is None:
+                return toks, mx.array(where), StepLogprobs()
+            m = np.zeros((self.B,), dtype=bool)
+            m[list(seated)] = True
+            m = mx.array(m)
+            return mx.where(m, toks, ahead[0]), mx.where(m, mx.array(where), ahead[1]), ahead[2]
+
+        def activity():
+            return mx.array([s is not None for s in slots], dtype=mx.int32)
 
         out: list = []
-        admit(out, decoding=False)
+        firsts = admit(out, decoding=False)  # slot -> its first token's logprob arrays, until pushed
         yield from out
         step = self._step_fn()
         sampling = SlotSampler(self.B)  # every slot's sampling settings and state, for this run
@@ -436,42 +484,33 @@ class BatchEngine:
             mx.async_eval(nxt, pos, *self.buffers, *sampling.arrays(), *extras.arrays)
             return nxt, pos, extras
 
-        def host_vectors():
-            """Tokens, positions and activity of every slot from the host's view (idle slots: 0)."""
-            return (mx.array([s.tokens[-1] if s else 0 for s in slots], dtype=mx.uint32),
-                    mx.array([s.n_prompt + len(s.tokens) - 1 if s else 0 for s in slots], dtype=mx.int32),
-                    mx.array([s is not None for s in slots], dtype=mx.int32))
-
-        tokens, pos, active = host_vectors()
-        current = launch(tokens, pos, active) if any(slots) else None
-        skip: set[int] = set()  # slots whose entry in ``current`` is their first token, already recorded
+        # ``current``: each live slot's next token to record (a step's output, or a new request's first
+        # token) and the position it is fed at; its ids are read only after the next step is queued, so
+        # the host records tokens, checks stops and prefills new requests while the device computes.
+        active = activity()
+        current = entering(firsts, None) if firsts else None
+        firsts = {b: extras for b, (_, extras) in firsts.items()}
         while current is not None:
-            # Queue step t + 1 before reading step t's tokens, so the host works while the device computes;
-            # skipped when every slot ends at step t anyway.
+            # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
             ahead = None
-            if any(s is not None and (b in skip or len(s.tokens) + 1 < s.max_tokens) for b, s in enumerate(slots)):
+            if any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots):
                 ahead = launch(current[0], current[1], active)
             toks = current[0].tolist()
-            out, fresh = [], set()
+            out, changed = [], False
             for b, s in enumerate(slots):
-                if s is None or b in skip:
+                if s is None:
                     continue
-                done = s.push(toks[b], current[2].get(b, ()))
+                done = s.push(toks[b], firsts[b] if b in firsts else current[2].get(b, ()))
                 if done:
                     out.append((s.tag, self._finish(s, done)))
                     slots[b] = None
-                    fresh.add(b)
-            skip = set()
+                    changed = True
+            seated = {}
             if None in slots and (pending or not exhausted):
                 # a new request's prefill overwrites its slot, step t + 1's write included
-                fresh |= admit(out, decoding=any(s is not None for s in slots))
-            if fresh:
-                host_tokens, host_pos, active = host_vectors()
-                if ahead is None:  # every slot ended at step t: start again from the host's view
-                    ahead = launch(host_tokens, host_pos, active) if any(slots) else None
-                else:  # the slots that changed hands take their first token and position from the host
-                    m = mx.array([b in fresh for b in range(self.B)])
-                    ahead = (mx.where(m, host_tokens, ahead[0]), mx.where(m, host_pos, ahead[1]), ahead[2])
-                    skip = {b for b in fresh if slots[b] is not None}
-            current = ahead
+                seated = admit(out, decoding=any(s is not None for s in slots))
+            if changed or seated:
+                active = activity()
+            current = entering(seated, ahead) if seated else ahead
+            firsts = {b: extras for b, (_, extras) in seated.items()}
             yield from out

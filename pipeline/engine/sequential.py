@@ -64,6 +64,7 @@ class Engine:
         self.max_kv_size = getattr(cache_spec, "max_kv_size", None)
         self.path = choose_path(model, self.cache, compile=compile, fused=fused, batch_size=batch_size)
         self.compile = self.path.compiled
+        self.compile_setting = compile  # as asked (True, False, "auto"): the batched CUDA step has its own rule
         self.fused = self.path.decoder
         self.closures = ClosureSet(model)
         self._logged: set[str] = set()

@@ -173,9 +173,19 @@ class BatchedDecoder:
 
         return self._kernel(("attn", window), make)
 
+    def _load_kernel(self):
+        """``kernels/load_slots.cu``."""
+
+        def make():
+            src = fill("load_slots.cu", "body", head_dim=self.head_dim)
+            return mx.fast.cuda_kernel(name="pl_load_slots", input_names=["sk", "sv", "rows", "slots", "lengths", "dk", "dv"],
+                                       output_names=["done"], source=src, header=header(), ensure_row_contiguous=False)
+
+        return self._kernel(("load",), make)
+
     # -- the step -------------------------------------------------------------------------------------
 
-    def _prepare(self, B: int) -> None:
+    def prepare(self, B: int) -> None:
         """Size the attention scratch (``B * n_heads * chunks * (head_dim + 2)`` float32, chunks covering
         the largest capacity) and the ``B * n_kv_heads`` arrival counters (zeros; the kernel resets them)."""
         chunks = max(-(-k.capacity // ATTN_CHUNK) for k in self.kinds)
@@ -196,6 +206,21 @@ class BatchedDecoder:
             threadgroup=(ROPE_THREADS, 1, 1), output_shapes=[(B, self.n_heads * self.head_dim)],
             output_dtypes=[self.dtype])[0]
 
+    def load_slots(self, i: int, sk: mx.array, sv: mx.array, rows: mx.array, slots: mx.array, lengths: mx.array,
+                   dk: mx.array, dv: mx.array) -> mx.array:
+        """Write requests' keys and values from a group prefill's caches into their slots of layer ``i``'s
+        buffers, in place (one launch): slot ``slots[r]`` gets row ``rows[r]`` of ``sk``/``sv`` ``(R,
+        n_kv_heads, S, head_dim)`` at positions ``< lengths[r]`` and zeros at the rest of its ``capacity``
+        (``rows``, ``slots``, ``lengths``: ``(n,)`` int32). Returns a ``(1,)`` int32 array to evaluate: the
+        buffers come back as they were (the same arrays), so nothing else makes MLX run the copy."""
+        if not (sk.dtype == sv.dtype == dk.dtype == dv.dtype == self.dtype):
+            raise ValueError(f"caches of {sk.dtype}, buffers of {dk.dtype}, compute dtype {self.dtype}")
+        n, (_, H, cap, D) = slots.shape[0], dk.shape
+        return self._load_kernel()(
+            inputs=[sk, sv, rows, slots, lengths, dk, dv], template=[("T", self.dtype)],
+            grid=(-(-n * H * cap * D // ROPE_THREADS) * ROPE_THREADS, 1, 1), threadgroup=(ROPE_THREADS, 1, 1),
+            output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
+
     def attend(self, i: int, q: mx.array, pos: mx.array, n_ctx: int | None, kc: mx.array, vc: mx.array) -> mx.array:
         """Layer ``i``'s attention output ``(B, n_heads * head_dim)`` over each row's filled slots."""
         B, kind = pos.shape[0], self.kinds[i]
@@ -210,7 +235,7 @@ class BatchedDecoder:
         B = tokens.shape[0]
         if buffers[0].dtype != self.dtype:
             raise ValueError(f"KV buffers of {buffers[0].dtype}, compute dtype {self.dtype}")
-        self._prepare(B)
+        self.prepare(B)
         h = inner.embed_tokens(tokens.reshape(B, 1))
         for i, layer in enumerate(inner.layers):
             kc, vc = buffers[2 * i], buffers[2 * i + 1]
