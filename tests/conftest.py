@@ -32,3 +32,20 @@ def default_model(default_model_path):
     from pipeline import load_model
 
     return load_model(path=default_model_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny random Llama model directory (``tiny_model.write_tiny_model``), one per test module."""
+    from tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def tiny_home(tiny_model, tmp_path_factory):
+    """A temporary $PIPELINE_HOME for the module's runs (their model-hash cache; the tiny model needs no
+    download). Modules that run jobs of the tiny model use it with ``pytestmark``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIPELINE_HOME", str(tmp_path_factory.mktemp("pipeline-home")))
+        yield

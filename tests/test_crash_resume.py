@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from tiny_model import wait_until, write_prompts, write_tiny_model
+from tiny_model import wait_until, write_prompts
 
 ROWS = 60
 SHARD = 4
@@ -28,18 +28,7 @@ COMPARED = ["id", "sample_index", "prompt", "completion", "finish_reason", "stop
             "completion_tokens", "prompt_tokens", "seed", "error"]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def pipeline_home(tiny_model, tmp_path_factory):
-    """Runs keep their model-hash cache in a temporary $PIPELINE_HOME (the tiny model, written with
-    the real one, needs no download)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PIPELINE_HOME", str(tmp_path_factory.mktemp("pipeline-home")))
-        yield
+pytestmark = pytest.mark.usefixtures("tiny_home")  # the tiny model and a temporary $PIPELINE_HOME (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from tiny_model import write_tiny_model
 
 ROWS = 10
 BAD = "row-06"
@@ -54,16 +53,7 @@ if os.environ.get("PIPELINE_TEST_FORWARD_FAIL_AT"):
 '''
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def pipeline_home(tiny_model, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PIPELINE_HOME", str(tmp_path_factory.mktemp("pipeline-home")))
-        yield
+pytestmark = pytest.mark.usefixtures("tiny_home")  # the tiny model and a temporary $PIPELINE_HOME (conftest)
 
 
 @pytest.fixture(scope="module")

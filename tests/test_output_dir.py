@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from tiny_model import without_machine_warnings, wait_until, write_prompts, write_tiny_model
+from tiny_model import without_machine_warnings, wait_until, write_prompts
 
 from pipeline import outdir
 from pipeline.shards import DiskFullError, OutputError, ShardStore
@@ -38,16 +38,7 @@ HOST = socket.gethostname()
 COMPARED = ["id", "sample_index", "prompt", "completion", "finish_reason", "completion_tokens", "seed", "error"]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def pipeline_home(tiny_model, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PIPELINE_HOME", str(tmp_path_factory.mktemp("pipeline-home")))
-        yield
+pytestmark = pytest.mark.usefixtures("tiny_home")  # the tiny model and a temporary $PIPELINE_HOME (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import pipeline  # noqa: F401  (OpenBLAS before tiny_model imports mlx.core, as 
 
 # isort: split
 from conftest import ROOT
-from tiny_model import write_prompts, write_tiny_model
+from tiny_model import write_prompts
 
 from pipeline.run.cluster import ResourceError, actor_resources
 from pipeline.jobspec import JobSpecError, RaySpec, job_from_dict
@@ -65,16 +65,7 @@ def ray_address():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def pipeline_home(tiny_model, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PIPELINE_HOME", str(tmp_path_factory.mktemp("pipeline-home")))
-        yield
+pytestmark = pytest.mark.usefixtures("tiny_home")  # the tiny model and a temporary $PIPELINE_HOME (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -17,21 +17,12 @@ from pipeline.export import export_results
 from pipeline.jobspec import JobSpecError, job_from_dict
 from pipeline.run import run_job
 from pipeline.run.plan import fingerprint
-from tiny_model import wait_until, write_tiny_model
+from tiny_model import wait_until
 
 ROWS = 24
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def pipeline_home(tiny_model, tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PIPELINE_HOME", str(tmp_path_factory.mktemp("pipeline-home")))
-        yield
+pytestmark = pytest.mark.usefixtures("tiny_home")  # the tiny model and a temporary $PIPELINE_HOME (conftest)
 
 
 @pytest.fixture(scope="module")
