@@ -186,7 +186,7 @@ def test_keep_mask_and_draw_by_definition():
 
 
 @pytest.mark.skipif(cuda_sample.sample_kernel(mx.zeros((1, 4))) is None, reason="the CUDA sampling kernel (MLX CUDA)")
-@pytest.mark.parametrize("vocab", [V, 49152, 128256])
+@pytest.mark.parametrize("vocab", [V, 49152, 50257, 128256])  # 50257: not a multiple of 4 (no float4 loads)
 def test_cuda_sampling_kernel_equals_the_mlx_ops(vocab, monkeypatch):
     """The kernel's tokens are the MLX ops' (run on the GPU with the kernel off) for the same rows: same kept
     set, same draw; the masses come from exp on both sides, so the two could only part where CUDA's expf and
