@@ -51,6 +51,7 @@ from .batch_sampler import SlotSampler
 from .cache import KVCache, RotatingKVCache
 from .cuda import BatchedDecoder, batched_blocker
 from .params import Generation
+from .prefix import block_hashes
 from .request import Decoding, Request
 from .sequential import Engine
 from .views import BatchView, stored_slots, layer_capacity, layer_kind, position_bytes
@@ -288,6 +289,11 @@ class BatchEngine:
         size = min(size, step)
         return None if any(c.max_size is not None and size > c.max_size for c in self.engine.cache) else size
 
+    def _bucket(self, d: Decoding) -> int | None:
+        """``prefill_bucket`` of a request, None (prefilled alone) where prefix caching reuses any of its KV."""
+        size = self.prefill_bucket(d.n_prompt)
+        return None if size is not None and self.engine.reusable(d.prompt_ids) else size
+
     def prefill_rows(self, size: int) -> int:
         """Rows of every group prefill at padded length ``size``: ``prefill_step_size // size`` (fixed,
         so a prompt's arithmetic never depends on how many others share its forward)."""
@@ -328,8 +334,7 @@ class BatchEngine:
         eng = self.engine
         if size is None:
             d = group[0]
-            eng.reset()
-            logits = eng.prefill(mx.array(d.prompt_ids, dtype=mx.uint32))
+            logits, d.cached = eng.prefill_prompt(d.prompt_ids)
             caches, rows = eng.cache, [0]
         else:
             n_rows = self.prefill_rows(size)
@@ -341,9 +346,31 @@ class BatchEngine:
             last = mx.array([d.n_prompt - 1 for d in group] + [0] * (n_rows - len(group)), dtype=mx.int32)
             logits = output_logits(eng.model, mx.take_along_axis(h, last[:, None, None], axis=1), False)[:, 0, :]
             rows = list(range(len(group)))
+            eng.prefill_tokens += sum(d.n_prompt for d in group)
+            self._store_blocks(group, caches)
         firsts = [d.begin(logits[r : r + 1]) for d, r in zip(group, rows)]
         mx.eval([y for y, _ in firsts], [e for _, ex in firsts for e in ex], [x for d in group for x in d.state])
         return [(y.item(), ex) for y, ex in firsts], caches, rows
+
+    def _store_blocks(self, group: list[Decoding], caches) -> None:
+        """Add the full blocks of a group prefill's prompts (row ``r`` of ``caches`` is ``group[r]``) to the
+        engine's prefix store. Their KV came from a padded forward of other shape than one-block chunks, so
+        a later prompt reusing them matches its own prefill only to rounding (group prefill runs on GPUs)."""
+        store, B = self.engine.prefix, self.engine.block_size
+        if store is None:
+            return
+        window = min((c.max_size for c in caches if c.max_size is not None), default=None)
+        copies = []
+        for r, d in enumerate(group):
+            for k, key in enumerate(block_hashes(d.prompt_ids, B)):
+                if window is not None and (k + 1) * B > window:
+                    break
+                if key not in store:
+                    layers = [tuple(mx.contiguous(x[r : r + 1, :, k * B : (k + 1) * B, :]) for x in (c.keys, c.values))
+                              for c in caches]
+                    store.put(key, layers)
+                    copies.append(layers)
+        mx.eval(copies)
 
     def _finish(self, d: Decoding, done: tuple) -> Generation:
         return d.finish(done, compiled=self.compiled)
@@ -387,12 +414,12 @@ class BatchEngine:
                         out.append((req.tag, e))
                 if not pending or not free or (decoding and forwards):
                     return filled
-                size = self.prefill_bucket(pending[0].n_prompt)
+                size = self._bucket(pending[0])
                 group = [pending.pop(0)]
                 if size is not None:
                     limit = min(self.prefill_rows(size), len(free))
                     for d in list(pending):
-                        if len(group) < limit and self.prefill_bucket(d.n_prompt) == size:
+                        if len(group) < limit and self._bucket(d) == size:
                             group.append(d)
                             pending.remove(d)
                 try:
