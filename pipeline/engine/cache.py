@@ -6,7 +6,8 @@ number of positions written.
 
 Four kinds, one interface (``offset``, ``make_mask(n)`` called before ``update_and_fetch(keys, values)``,
 ``reset()``, ``reserve(n)``, ``state``, ``nbytes``, ``buffer_geometry()``; the prefix seam ``trim(n)``,
-``copy_prefix(src, n)`` and ``prefix_blocker(n)``), so model code does not know which it has:
+``copy_prefix(src, n)``, ``prefix_blocker(n)``, and for the prefix cache ``stored_copy(a, b)`` and
+``load_prefix(keys, values)``), so model code does not know which it has:
 
 - ``KVCache``: every position, dense.
 - ``RotatingKVCache(max_size)``: the ``max_size`` most recent positions, dense, in a ring buffer.
