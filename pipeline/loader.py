@@ -153,6 +153,7 @@ class LoadedModel:
             else:
                 for _ in batch.run([Request(("warm-up", n), prompt(n), params) for n in batch.warm_up_lengths()]):
                     pass
+        self.engine.drop_prefixes()  # the made-up prompt's blocks would only take room in the prefix cache
         return time.perf_counter() - t
 
     def logprobs(self, token_ids: list[int]) -> np.ndarray:

@@ -274,6 +274,8 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
         ("pending", "rows pending" + (f" (unknown: {status['pending_error']})" if pending is None else ""), pending),
         ("completion_tokens", "completion tokens", summary["completion_tokens"]),
         ("prompt_tokens", "prompt tokens", summary["prompt_tokens"]),
+        ("prefix_hit_rate", "prefix cache hit rate (cached / all prompt tokens of the rows recording it)",
+         None if status.get("prefix_hit_rate") is None else f"{100 * status['prefix_hit_rate']:.1f}%"),
         ("mean_decode_tps", "mean decode tok/s per row", summary["mean_decode_tps"]),
         ("throughput_tps", "completion tok/s over generation time", summary["throughput_tps"]),
         ("generation_seconds", "generation time, all runs (s)", summary["generation_seconds"]),

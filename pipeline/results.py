@@ -40,6 +40,8 @@ class Result:
         top_logprobs: their log probabilities.
         batch_size: the decode slots of the engine the row ran in (``engine.batch_size``; 1:
             sequential); None when the row failed before generating.
+        cached_prompt_tokens: prompt tokens whose KV was reused from the prefix cache or the row's previous
+            sample instead of computed (``cache.prefix_cache_gb``; 0 with it off); None when the row failed.
     """
 
     id: int | str
@@ -63,6 +65,7 @@ class Result:
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     batch_size: int | None = None
+    cached_prompt_tokens: int | None = None
 
     @property
     def key(self) -> tuple:
@@ -155,6 +158,7 @@ _TYPES = {
     "top_token_ids": pa.list_(pa.list_(pa.int32())),
     "top_logprobs": pa.list_(pa.list_(pa.float32())),
     "batch_size": pa.int32(),
+    "cached_prompt_tokens": pa.int32(),
 }
 _NOT_NULL = {"id", "sample_index", "seed", "choice_index"}
 

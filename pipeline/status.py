@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from .inputs import InputError, read_rows
 from .jobspec import JobSpecError, job_from_dict
@@ -34,7 +35,8 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         ``settings`` (the committed rows grouped by the settings that made them, ``settings_groups``),
         ``settings_mixed`` (more than one group, or rows whose settings were not recorded) and
         ``fingerprint`` (a short summary of the settings; with mixed settings the fields that differ
-        read ``mixed``); with ``verify``, ``verified``: ``shards`` (checked), ``hashed`` (matched their
+        read ``mixed``); generation outputs: ``prefix_hit_rate``, ``cached_prompt_tokens`` and
+        ``hit_prompt_tokens`` (``prefix_hits``); with ``verify``, ``verified``: ``shards`` (checked), ``hashed`` (matched their
         sha256) and ``unhashed`` (files whose entry records no sha256, an older manifest's: only their size
         and footer were checked).
 
@@ -70,6 +72,8 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         "pending_error": None,
         "eta_s": None,
     }
+    if not scored:
+        status.update(prefix_hits(out_dir, manifest))
     if verify:
         status["verified"] = {"shards": len(manifest["shards"]), "hashed": check.hashed, "unhashed": check.unhashed}
     timed_rows = timed["rows"]
@@ -92,6 +96,31 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         per_row = (pc.sum(table.column("total_s")).as_py() or 0.0) / done
         status["eta_s"] = status["rows_pending"] * per_row
     return status
+
+
+def prefix_hits(out_dir: Path, manifest: dict) -> dict:
+    """The prefix cache's hit rate over the committed rows that record ``cached_prompt_tokens`` (shards
+    written before the column existed are left out): ``cached_prompt_tokens`` and ``hit_prompt_tokens`` (the
+    prompt tokens of those rows) as ints, ``prefix_hit_rate`` their ratio (None when no row records it)."""
+    cached = total = 0
+    for entry in manifest["shards"]:
+        with pq.ParquetFile(Path(out_dir) / entry["file"]) as f:
+            if "cached_prompt_tokens" not in f.schema_arrow.names:
+                continue
+            t = f.read(columns=["prompt_tokens", "cached_prompt_tokens", "error"])
+        ok = t.filter(pc.is_null(t.column("error")))
+        cached += int(pc.sum(ok.column("cached_prompt_tokens")).as_py() or 0)
+        total += int(pc.sum(ok.column("prompt_tokens")).as_py() or 0)
+    return {"cached_prompt_tokens": cached, "hit_prompt_tokens": total,
+            "prefix_hit_rate": cached / total if total else None}
+
+
+def format_hits(st: dict) -> str | None:
+    """``prefix cache: 87.5% of prompt tokens reused (5600 of 6400)``, or None without the numbers."""
+    if st.get("prefix_hit_rate") is None:
+        return None
+    return (f"prefix cache: {100 * st['prefix_hit_rate']:.1f}% of prompt tokens reused "
+            f"({st['cached_prompt_tokens']} of {st['hit_prompt_tokens']})")
 
 
 def _legacy_fingerprint(manifest: dict) -> dict | None:
@@ -224,6 +253,10 @@ def fingerprint_summary(fp: dict) -> str:
     parts = [f"model {model.get('spec', '?')}" + (f" (sha256 {sha[:12]})" if sha else "")]
     parts.append("generation " + (", ".join(changed) if changed else "defaults"))
     cache = {k: v for k, v in fp.get("cache", {}).items() if v not in (None, 0, 64)}
+    if cache.get("prefix_block_size") == 32:  # the default
+        del cache["prefix_block_size"]
+    if "prefix_block_size" in fp.get("cache", {}) and fp["cache"]["prefix_block_size"] is None:
+        cache["prefix_cache"] = "off"
     if cache:
         parts.append("cache " + ", ".join(f"{k}={v}" for k, v in cache.items()))
     return "; ".join(parts)
@@ -252,6 +285,7 @@ def format_status(st: dict) -> str:
         (f"tokens: {st['completion_tokens']} generated; {tput} over {_duration(st['generation_s'])} of generation"
          f"{unrecorded}; mean per-row decode {mean}"),
         f"eta: {_duration(st['eta_s']) if st['eta_s'] is not None else ('0s' if st['rows_pending'] == 0 else 'unknown')}",
+        *([hits] if (hits := format_hits(st)) else []),
         *([settings] if settings else []),
         f"fingerprint: {st['fingerprint']}",
         *([verified] if verified else []),

@@ -15,7 +15,7 @@ from pipeline.jobspec import CacheSpec
 from test_batch import (CHAT, CONTEXT, MIN_IDENTICAL, NO_EOS, assert_same_greedy, chat_ids, gemma3,  # noqa: F401
                         llama, prompts_of, run_all, sequential)
 
-STEP = 64  # prefill_step_size and prefill_tokens: buckets 16, 32, 64 of 4, 2 and 1 rows; longer prompts alone
+STEP = 64  # prefill_step_size and group_tokens: buckets 16, 32, 64 of 4, 2 and 1 rows; longer prompts alone
 LENGTHS = [23, 1, 40, 9, 31, 5, 17, 12, 70, 16, 33, 2]
 PROMPTS = prompts_of(LENGTHS, seed=3)
 MAX_POSITIONS = 96
@@ -40,7 +40,7 @@ def test_group_prefill_equals_sequential(request, case):
     params = GenerateParams(max_tokens=10)
     reqs = [Request(i, p, params) for i, p in enumerate(PROMPTS)]
     ref = sequential(engine, [Request(r.tag, r.prompt_ids, GenerateParams(max_tokens=10, logprobs=2)) for r in reqs])
-    be = BatchEngine(engine, 5, MAX_POSITIONS, prefill_batch=True, prefill_tokens=STEP)
+    be = BatchEngine(engine, 5, MAX_POSITIONS, prefill_batch=True, group_tokens=STEP)
     assert {n: be.prefill_rows(n) for n in rows} == rows
     got = run_all(be, reqs)
     for r in reqs:
@@ -55,7 +55,7 @@ def test_group_prefill_equals_sequential(request, case):
 
 def test_grouped_request_does_not_depend_on_its_neighbours(llama):
     engine = engine_for(llama)
-    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True, prefill_tokens=STEP)
+    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True, group_tokens=STEP)
     x = Request("x", PROMPTS[3], GenerateParams(max_tokens=12, logprobs=1))  # 9 tokens: bucket 16, 4 rows
     same_bucket = [Request(i, p, GenerateParams(max_tokens=2 + i)) for i, p in enumerate(PROMPTS) if len(p) <= 16]
     runs = []
@@ -72,7 +72,7 @@ def test_one_prefill_forward_between_decode_steps(llama):
     """Once slots decode, a step's admissions wait for at most one prefill forward; at the start
     (nothing decoding) every free slot is filled at once."""
     engine = engine_for(llama)
-    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True, prefill_tokens=STEP)
+    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True, group_tokens=STEP)
     events: list[str] = []
     prefill, step_fn = be._prefill, be._step_fn
 
@@ -107,7 +107,7 @@ def test_admission_waits_for_slots_enough_to_fill_a_forward(llama):
     ``admit_at(16)`` = min(4, 16 // 8) = 2 free slots, unless every request left fits; rows ending one per
     step are admitted in pairs. The results stay the sequential ones."""
     engine = engine_for(llama)
-    be = BatchEngine(engine, 16, MAX_POSITIONS, prefill_batch=True, prefill_tokens=STEP)
+    be = BatchEngine(engine, 16, MAX_POSITIONS, prefill_batch=True, group_tokens=STEP)
     assert be.admit_at(16) == 2 and be.admit_at(64) == 1 and be.admit_at(None) == 1
     groups: list[tuple[int, bool]] = []  # (requests in the forward, whether slots were decoding)
     prefill, step_fn = be._prefill, be._step_fn
@@ -145,7 +145,7 @@ def test_default_model_group_prefill_matches_sequential(default_model):
     params = GenerateParams(max_tokens=16)
     reqs = [Request(i, chat_ids(tok, p), params) for i, p in enumerate(CHAT)]
     ref = sequential(engine, reqs)
-    be = BatchEngine(engine, 4, 128, prefill_batch=True, prefill_tokens=128)
+    be = BatchEngine(engine, 4, 128, prefill_batch=True, group_tokens=128)
     got = run_all(be, reqs)
     identical = sum(got[r.tag].token_ids == ref[r.tag].token_ids and got[r.tag].text == ref[r.tag].text for r in reqs)
     assert identical >= MIN_IDENTICAL, f"{identical}/{len(reqs)} identical"
@@ -154,11 +154,11 @@ def test_default_model_group_prefill_matches_sequential(default_model):
 
 def test_warm_up_lengths_cover_every_bucket(llama):
     engine = engine_for(llama)
-    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True, prefill_tokens=STEP)
+    be = BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=True, group_tokens=STEP)
     assert be.warm_up_lengths() == [16, 32, 64]
     run_all(be, [Request(n, p, GenerateParams(max_tokens=3))
                  for n, p in zip(be.warm_up_lengths(), prompts_of(be.warm_up_lengths(), seed=7))])
     assert be.prefill_counts == {16: 1, 32: 1, 64: 1}
     assert BatchEngine(engine_for(llama, CacheSpec(max_kv_size=32)), 4, MAX_POSITIONS,
-                       prefill_batch=True, prefill_tokens=STEP).warm_up_lengths() == [16, 32]
+                       prefill_batch=True, group_tokens=STEP).warm_up_lengths() == [16, 32]
     assert BatchEngine(engine, 4, MAX_POSITIONS, prefill_batch=False).warm_up_lengths() == [8]

@@ -3,7 +3,7 @@
 Prefill. With ``prefill_batch`` (on by default on a GPU, where a short prompt's forward costs its
 kernel launches, not its arithmetic), requests admitted together are prefilled together: prompts of
 up to ``prefill_step_size`` tokens are padded (after the prompt) to a power-of-two bucket of at least
-16 tokens, and each bucket runs as ONE forward of ``prefill_tokens // bucket`` rows (idle rows are
+16 tokens, and each bucket runs as ONE forward of ``group_tokens // bucket`` rows (idle rows are
 padding), so a prompt's arithmetic never depends on which prompts share its forward. Longer prompts,
 quantized layers, and buckets longer than a rotating layer's window are prefilled alone (batch 1,
 through the engine's own caches, chunked exactly as in sequential mode), as every prompt is on the
@@ -120,26 +120,26 @@ class BatchEngine:
             (``views.layer_capacity``: a power-of-two bucket >= 256, at most a layer's window).
         prefill_batch: prefill requests admitted together in one forward per length bucket (module
             docstring); None: on when MLX's default device is a GPU.
-        prefill_tokens: padded tokens of one group prefill forward: ``prefill_rows(size)`` is
-            ``prefill_tokens // size`` rows.
+        group_tokens: padded tokens of one group prefill forward: ``prefill_rows(size)`` is
+            ``group_tokens // size`` rows.
 
     Attributes:
         prefill_counts: prefill forwards run so far, per padded length (None: a prompt prefilled alone).
 
     Memory: ``kv_bytes()`` = B x capacity x ``position_bytes`` summed over layers, allocated at the first
-    request and kept for the run; a group prefill's caches hold ``prefill_tokens`` positions per
+    request and kept for the run; a group prefill's caches hold ``group_tokens`` positions per
     bucket.
     """
 
     def __init__(self, engine: Engine, batch_size: int, max_positions: int, prefill_batch: bool | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS):
+                 group_tokens: int = PREFILL_TOKENS):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.engine = engine
         self.B = batch_size
         self.max_positions = max_positions
         self.prefill_batch = mx.default_device().type == mx.gpu if prefill_batch is None else bool(prefill_batch)
-        self.prefill_tokens = prefill_tokens
+        self.group_tokens = group_tokens
         self._groups: dict[int, list] = {}
         self.prefill_counts: dict[int | None, int] = {}  # prefill forwards run, per padded length (None: alone)
         self.kinds = tuple(layer_kind(c, layer_capacity(c, max_positions)) for c in engine.cache)
@@ -314,10 +314,15 @@ class BatchEngine:
         size = min(size, step)
         return None if any(c.max_size is not None and size > c.max_size for c in self.engine.cache) else size
 
+    def _bucket(self, d: Decoding) -> int | None:
+        """``prefill_bucket`` of a request, None (prefilled alone) where prefix caching reuses any of its KV."""
+        size = self.prefill_bucket(d.n_prompt)
+        return None if size is not None and self.engine.reusable(d.prompt_ids) else size
+
     def prefill_rows(self, size: int) -> int:
-        """Rows of every group prefill at padded length ``size``: ``prefill_tokens // size`` (fixed, so a
+        """Rows of every group prefill at padded length ``size``: ``group_tokens // size`` (fixed, so a
         prompt's arithmetic never depends on how many others share its forward)."""
-        return max(1, self.prefill_tokens // size)
+        return max(1, self.group_tokens // size)
 
     def admit_at(self, size: int | None) -> int:
         """Free slots a prefill forward at padded length ``size`` (None: a prompt alone) waits for while
@@ -361,8 +366,7 @@ class BatchEngine:
         eng = self.engine
         if size is None:
             d = group[0]
-            eng.reset()
-            logits = eng.prefill(mx.array(d.prompt_ids, dtype=mx.uint32))
+            logits, d.cached = eng.prefill_prompt(d.prompt_ids)
             caches, rows = eng.cache, [0]
         else:
             n_rows = self.prefill_rows(size)
@@ -374,6 +378,7 @@ class BatchEngine:
             last = mx.array([d.n_prompt - 1 for d in group] + [0] * (n_rows - len(group)), dtype=mx.int32)
             logits = output_logits(eng.model, mx.take_along_axis(h, last[:, None, None], axis=1), False)[:, 0, :]
             rows = list(range(len(group)))
+            eng.prefill_tokens += sum(d.n_prompt for d in group)
         return [d.begin(logits[r : r + 1]) for d, r in zip(group, rows)], caches, rows
 
     def _finish(self, d: Decoding, done: tuple) -> Generation:
@@ -420,14 +425,14 @@ class BatchEngine:
                         out.append((req.tag, e))
                 if not pending or not free or (decoding and forwards):
                     return seated
-                size = self.prefill_bucket(pending[0].n_prompt)
+                size = self._bucket(pending[0])
                 if decoding and len(free) < self.admit_at(size) and not (exhausted and len(pending) <= len(free)):
                     return seated  # wait for slots enough to fill a forward (its cost is per forward)
                 group = [pending.pop(0)]
                 if size is not None:
                     limit = min(self.prefill_rows(size), len(free))
                     for d in list(pending):
-                        if len(group) < limit and self.prefill_bucket(d.n_prompt) == size:
+                        if len(group) < limit and self._bucket(d) == size:
                             group.append(d)
                             pending.remove(d)
                 try:

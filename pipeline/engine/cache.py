@@ -6,7 +6,8 @@ number of positions written.
 
 Four kinds, one interface (``offset``, ``make_mask(n)`` called before ``update_and_fetch(keys, values)``,
 ``reset()``, ``reserve(n)``, ``state``, ``nbytes``, ``buffer_geometry()``; the prefix seam ``trim(n)``,
-``copy_prefix(src, n)`` and ``prefix_blocker(n)``), so model code does not know which it has:
+``copy_prefix(src, n)``, ``prefix_blocker(n)``, and for the prefix cache ``stored_copy(a, b)`` and
+``load_prefix(keys, values)``), so model code does not know which it has:
 
 - ``KVCache``: every position, dense.
 - ``RotatingKVCache(max_size)``: the ``max_size`` most recent positions, dense, in a ring buffer.
@@ -201,6 +202,41 @@ class _CacheBase:
                 self._resize(self._capacity_for(n), 0, geometry)
             _put(self.keys, 0, _take(src.keys, 0, n))
             _put(self.values, 0, _take(src.values, 0, n))
+        self.offset = n
+
+    def stored_copy(self, a: int, b: int) -> tuple:
+        """``(keys, values)``: copies of positions ``a:b`` in stored form (arrays ``(B, n_kv_heads, b - a,
+        head_dim)``, or quantized triples), for a ``PrefixStore`` block.
+
+        Raises:
+            ValueError: positions not stored, or not in slots ``a:b`` (a ring past ``b > max_size``).
+        """
+        if not 0 <= a <= b <= self.offset or (self.max_size is not None and b > self.max_size):
+            raise ValueError(f"positions {a}:{b} are not in slots {a}:{b} (offset {self.offset}, "
+                             f"window {self.max_size})")
+        copy = lambda x: mx.contiguous(x[..., a:b, :])  # noqa: E731  a copy, not a view of the whole buffer
+        return _tmap(copy, self.keys), _tmap(copy, self.values)
+
+    def load_prefix(self, keys, values) -> None:
+        """Hold exactly the positions ``0 : n`` given as ``keys``, ``values`` in stored form (``stored_copy``
+        of the same class and settings, concatenated along axis 2); this cache's buffers are reused when
+        large enough. A cache loaded so continues exactly as one that was fed those ``n`` positions, where
+        ``prefix_blocker(n)`` of that one is None and its storage mode after them is the stored form's (an
+        ``Engine`` with a prefix store keeps ``quantized_kv_start`` 0 and windows >= n)."""
+        self.reset()
+        n = _n_slots(keys)
+        if not n:
+            return
+        self.quantized = isinstance(keys, tuple)
+        if self.quantized:
+            (kp, ks, _), (vp, _, _) = keys, values
+            geometry = (*kp.shape[:2], kp.shape[3] * 32 // self.bits, vp.shape[3] * 32 // self.bits, ks.dtype)
+        else:
+            geometry = _geometry(keys, values)
+        if _n_slots(self.keys) < n:
+            self._resize(self._capacity_for(n), 0, geometry)
+        _put(self.keys, 0, keys)
+        _put(self.values, 0, values)
         self.offset = n
 
     @property

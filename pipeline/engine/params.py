@@ -66,6 +66,8 @@ class Generation:
         stop_reason: the matched stop string, the id of the stop token, or None ("length").
         stop_token_id: the EOS / stop token id that ended it, or None.
         prompt_tokens: prompt length in tokens.
+        cached_prompt_tokens: prompt tokens whose KV was reused instead of computed (prefix caching:
+            ``Engine.prefill_prompt``); 0 without it.
         ttft_s: seconds from the start of prefill until the first generated token was available.
         prefill_tps: prompt tokens per second of prefill (prompt_tokens / ttft_s).
         decode_tps: generated tokens per second after the first one (tokens/s); None if only one token.
@@ -94,3 +96,4 @@ class Generation:
     logprobs: list[float] | None = None
     top_token_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    cached_prompt_tokens: int = 0

@@ -49,6 +49,7 @@ class Decoding:
             ``SamplerState`` (set by ``begin``; a decode loop that keeps the state elsewhere, such as
             the compiled step, may leave ``state`` at the first token's).
         tokens: the ids generated so far (a stop token is not included).
+        cached: prompt tokens reused, not computed, by its prefill (set by the loop; ``Engine.prefill_prompt``).
         t0, t_first: ``time.perf_counter()`` at the start of prefill and when the first token was
             read back (set by the loop).
 
@@ -81,6 +82,7 @@ class Decoding:
         self.checker = StopChecker(engine.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens) \
             if params.stop else None
         self.tokens: list[int] = []
+        self.cached = 0
         self.picked: list[tuple] = []  # each recorded token's logprob arrays
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
@@ -129,7 +131,7 @@ class Decoding:
         gen = Generation(token_ids=self.tokens, finish_reason=finish, stop_token_id=stop_id,
                          prompt_tokens=self.n_prompt, ttft_s=ttft, prefill_tps=self.n_prompt / ttft, decode_tps=None,
                          total_s=0.0, peak_memory_bytes=int(mx.get_peak_memory()), compiled=compiled, fused=fused,
-                         stop_reason=stop_reason)
+                         stop_reason=stop_reason, cached_prompt_tokens=self.cached)
         n_decoded = len(self.tokens) + (stop_id is not None) - 1
         if n_decoded > 0 and t_end > self.t_first:
             gen.decode_tps = n_decoded / (t_end - self.t_first)

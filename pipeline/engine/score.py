@@ -6,7 +6,9 @@ continuation of tokens ``c_0 .. c_{n-1}`` after context tokens ``x`` has ``logpr
 p(c_i | x, c_<i)`` (natural log, the raw model distribution in float32: ``log_softmax`` of the logits) and
 ``is_greedy`` = every ``c_i`` is the argmax of its position's distribution.
 
-The shared path (``score_shared``): the context ``x`` is prefilled once into the engine's caches; the
+The shared path (``score_shared``): the context ``x`` is prefilled once into the engine's caches
+(``Engine.prefill_prompt``: with prefix caching on, the blocks it shares with earlier rows' contexts, a
+few-shot head say, are reused, and a context equal to the previous row's is not prefilled again); the
 distribution of ``c_0`` is the context's last position; then each layer's cache is copied into ``C`` rows
 (one per continuation) and the continuations' tokens ``c_0 .. c_{n-2}``, right-padded to the longest, run as
 one forward ``(C, L_max - 1)`` from that KV. Causal attention keeps a row's real positions blind to the
@@ -136,9 +138,8 @@ def score_shared(engine, context: list[int], continuations: list[list[int]],
     why = shared_blocker(engine.cache, len(context), longest)
     if why:
         raise ValueError(f"cannot score the choices from a shared context: {why}")
-    engine.reset()
     t0 = time.perf_counter()
-    first = _log_softmax(engine.prefill(mx.array(context, dtype=mx.uint32)))[0]  # (V,) float32
+    first = _log_softmax(engine.prefill_prompt(context)[0])[0]  # (V,) float32; a few-shot head reused
     if times is not None:
         mx.eval(first)
         times["prefill_s"] = time.perf_counter() - t0

@@ -11,6 +11,7 @@ import mlx.core as mx
 from .cache import make_caches
 from .compiled import ClosureSet
 from .params import GenerateParams, Generation
+from .prefix import PrefixStore, block_hashes
 from .request import Decoding
 from .sampler import sample_step
 from .step import choose_path, request_blocker
@@ -31,9 +32,10 @@ class Engine:
             returns logits ``(1, L, vocab)``, ``model.make_cache()`` declares per-layer caches).
         eos_token_ids: ids that end a generation.
         context_length: most positions the model supports (prompt + generated tokens).
-        prefill_step_size: prompt tokens per prefill chunk.
-        cache_spec: a ``pipeline.jobspec.CacheSpec`` (max_kv_size, kv_bits, ...), or None for the
-            model's own layout.
+        prefill_step_size: prompt tokens per prefill chunk (without prefix caching).
+        cache_spec: a ``pipeline.jobspec.CacheSpec`` (max_kv_size, kv_bits, ..., and prefix caching:
+            ``prefix_cache_gb`` > 0 with ``prefix_block_size``), or None for the model's own layout and
+            no prefix caching.
         compile: decode through compiled closures: True, False, or "auto" (``step.compile_by_default``).
         fused: decode through ``pipeline.engine.cuda`` (five custom CUDA kernels per layer) when
             ``fused_blocker`` allows it: "auto" or True (tried first, before ``compile``), or False.
@@ -44,6 +46,13 @@ class Engine:
 
     Attributes:
         path: the ``step.DecodePath`` chosen.
+        prefix: the ``prefix.PrefixStore`` of prompt blocks (``prefill_prompt``), or None: prefix caching off
+            (``prefix_cache_gb`` 0), or a cache layout it cannot serve exactly (``prefix_off``).
+        prefix_off: why a job with prefix caching on has no store (quantized storage after
+            ``quantized_kv_start`` > 0), or None.
+        block_size: tokens per prefix block and prefill chunk while prefix caching is on, else None.
+        prefill_tokens: prompt tokens run through the model by ``prefill_prompt`` so far (reused ones not
+            counted).
         tokens_generated: tokens this engine (and any ``BatchEngine`` over it) has generated so far, stop
             tokens excluded, as ``Generation.token_ids`` counts them; a plain int bumped once per token, so
             another thread may read it for live progress (the runner's tok/s).
@@ -72,6 +81,17 @@ class Engine:
         self.tokens_generated = 0
         if self.path.note:
             self.note(self.path.note)
+        gb = getattr(cache_spec, "prefix_cache_gb", 0) or 0
+        self.block_size = getattr(cache_spec, "prefix_block_size", None) if gb > 0 else None
+        self.prefix_off = None
+        if gb > 0 and any(c.bits is not None and c.start for c in self.cache):
+            self.prefix_off = ("no prefix reuse with cache.quantized_kv_start > 0 (a block's stored form depends "
+                               "on the prompt's length)")
+        self.prefix = PrefixStore(int(gb * 1e9), self.block_size) if gb > 0 and not self.prefix_off else None
+        windows = [c.max_size for c in self.cache if c.max_size is not None]
+        self._window = min(windows) if windows else None
+        self.prefill_tokens = 0
+        self._last: tuple | None = None  # (prompt ids, last logits) while the caches hold exactly that prompt
 
     @property
     def closure_count(self) -> int:
@@ -84,6 +104,7 @@ class Engine:
         return self.closures.trace_count
 
     def reset(self) -> None:
+        self._last = None
         for c in self.cache:
             c.reset()
 
@@ -104,6 +125,88 @@ class Engine:
             mx.eval([c.state for c in self.cache])
             start += step
         return self.model(prompt[None, start:], self.cache, last_only=True)[:, -1, :]
+
+    def prefill_prompt(self, ids: list[int]) -> tuple[mx.array, int]:
+        """Fill the caches with prompt ``ids`` (non-empty) and return ``(logits (1, vocab), cached)``: the
+        last position's logits and how many of the prompt's tokens were reused, not computed.
+
+        Prefix caching off: ``reset`` and ``prefill`` (chunks of ``prefill_step_size``), nothing reused.
+        On: the prompt the caches hold already (the previous sample of the row: ``n`` > 1) is trimmed back
+        to and its logits reused (every token reused); else the longest run of leading blocks held in
+        ``prefix`` is loaded (at most the blocks before the one holding the last token, and within every
+        rotating layer's window), the rest is computed in chunks of one block at absolute block boundaries,
+        and each full block computed is added to ``prefix`` (module ``prefix`` says why this is exact).
+        """
+        n = len(ids)
+        if self.block_size is None:
+            self.reset()
+            self.prefill_tokens += n
+            return self.prefill(mx.array(ids, dtype=mx.uint32)), 0
+        if self._last is not None and self._last[0] == ids and all(c.prefix_blocker(n) is None for c in self.cache):
+            for c in self.cache:
+                c.trim(n)
+            return self._last[1], n
+        self.reset()
+        B, store = self.block_size, self.prefix
+        if store is None:  # a layout without exact block reuse: only the previous sample's prompt is reused
+            self.note(self.prefix_off, kind="prefix-off")
+            self.prefill_tokens += n
+            self._last = (list(ids), self.prefill(mx.array(ids, dtype=mx.uint32)))
+            return self._last[1], 0
+        keys = block_hashes(ids, B)
+        usable = (n - 1) // B
+        if self._window is not None and usable * B > self._window:
+            usable = self._window // B
+            if usable and store.hits(keys[:usable]) == usable:  # the blocks past the window are never held
+                self.note(f"prefix reuse stops at {usable * B} tokens: a rotating layer keeps {self._window} "
+                          "positions (cache.max_kv_size or the model's sliding window)", kind="prefix-window")
+        blocks = store.take(keys[:usable])
+        if blocks:
+            cat = lambda parts: parts[0] if len(parts) == 1 else (  # noqa: E731
+                tuple(mx.concatenate(p, axis=2) for p in zip(*parts)) if isinstance(parts[0], tuple)
+                else mx.concatenate(parts, axis=2))
+            for i, c in enumerate(self.cache):
+                c.load_prefix(cat([b[i][0] for b in blocks]), cat([b[i][1] for b in blocks]))
+        start = len(blocks) * B
+        prompt = mx.array(ids, dtype=mx.uint32)
+        self.prefill_tokens += n - start
+        while True:
+            end = min(start + B, n)
+            if end == n:
+                logits = self.model(prompt[None, start:end], self.cache, last_only=True)[:, -1, :]
+            else:
+                self.model(prompt[None, start:end], self.cache)
+            copies = []
+            if end - start == B and (self._window is None or end <= self._window):
+                copies = [c.stored_copy(start, end) for c in self.cache]
+                store.put(keys[start // B], copies)
+            mx.eval(copies, [c.state for c in self.cache])  # the copies before a later write reuses a buffer
+            if end == n:
+                break
+            start = end
+        self._last = (list(ids), logits)
+        return logits, len(blocks) * B
+
+    def reusable(self, ids: list[int]) -> int:
+        """Prompt tokens of ``ids`` that ``prefill_prompt`` would reuse now (0 with prefix caching off);
+        changes nothing."""
+        if self.block_size is None:
+            return 0
+        if self._last is not None and self._last[0] == ids and all(c.prefix_blocker(len(ids)) is None
+                                                                    for c in self.cache):
+            return len(ids)
+        if self.prefix is None:
+            return 0
+        usable = (len(ids) - 1) // self.block_size
+        if self._window is not None:
+            usable = min(usable, self._window // self.block_size)
+        return self.prefix.hits(block_hashes(ids, self.block_size)[:usable]) * self.block_size
+
+    def drop_prefixes(self) -> None:
+        """Forget every prefix block and the prompt the caches hold (after a warm-up's made-up prompt)."""
+        self._last = None
+        if self.prefix is not None:
+            self.prefix.clear()
 
     @contextlib.contextmanager
     def quiet(self):
@@ -192,10 +295,10 @@ class Engine:
             ValueError: stop strings without a tokenizer.
         """
         req = Decoding(self, prompt_ids, params)
-        self.reset()
         mx.reset_peak_memory()
         req.t0 = time.perf_counter()
-        y, extras = req.begin(self.prefill(mx.array(prompt_ids, dtype=mx.uint32)))
+        logits, req.cached = self.prefill_prompt(prompt_ids)
+        y, extras = req.begin(logits)
         mx.async_eval(y, *extras, *req.state)
 
         decodes = req.max_tokens > 1

@@ -80,7 +80,7 @@ def sample_result(s: Sample, g, total_s: float, batch_size: int = 1) -> Result:
         prompt_tokens=g.prompt_tokens, completion_tokens=len(g.token_ids), ttft_s=g.ttft_s, prefill_tps=g.prefill_tps,
         decode_tps=g.decode_tps, total_s=total_s, peak_memory_bytes=g.peak_memory_bytes,
         compiled=g.compiled, seed=s.seed, error=None, logprobs=g.logprobs, top_token_ids=g.top_token_ids,
-        top_logprobs=g.top_logprobs, batch_size=batch_size,
+        top_logprobs=g.top_logprobs, batch_size=batch_size, cached_prompt_tokens=g.cached_prompt_tokens,
     )
 
 
@@ -191,6 +191,8 @@ def generate_samples(lm: LoadedModel, job: JobSpec, samples, record: Callable[[R
         return score_choices(lm, job, samples, record, stopping, warm_up)
     if lm.engine.path.name == "batched":
         return _run_batched(lm, job, planned, samples, record, stopping, positions, warm_up, batch_size, note)
+    if job.input.order == "prefix":
+        samples = by_prefix(lm, job, samples)
     prompt_of = (None, None)  # (row index, its Prompt or RowError): samples of a row share it
     for row, k, gen in samples:
         if stopping():
@@ -206,6 +208,25 @@ def generate_samples(lm: LoadedModel, job: JobSpec, samples, record: Callable[[R
             raise GenerationError.of(e, [(row.id, k)]) from e
         record(res)
     return 0
+
+
+def by_prefix(lm: LoadedModel, job: JobSpec, samples) -> list:
+    """``input.order: prefix``: ``samples`` ((row, sample index, settings) triples) sorted by their row's
+    prompt token ids, so rows sharing a prefix run one after another (a stable sort: a row's samples stay
+    together in index order, equal prompts in input order; rows without a prompt first).
+
+    Raises:
+        GenerationError: building a prompt raised something that is not a ``RowError``.
+    """
+    ids: dict[int, list[int]] = {}
+    for row, k, _ in samples:
+        if row.index not in ids:
+            try:
+                p = row_prompt(row, job, lm)
+            except Exception as e:  # not a RowError (row_prompt returns those)
+                raise GenerationError.of(e, [(row.id, k)]) from e
+            ids[row.index] = [] if isinstance(p, RowError) else p.token_ids
+    return sorted(samples, key=lambda t: ids[t[0].index])
 
 
 def score_row(lm: LoadedModel, job: JobSpec, row: InputRow, indices: list[int],
@@ -338,6 +359,8 @@ def _run_batched(lm: LoadedModel, job: JobSpec, planned, pending, record: Callab
         if (s.row.id, s.index) in todo:
             (samples if s.failed is None else failed).append(s)
     positions = seen if positions is None else positions
+    if job.input.order == "prefix":  # stable: a row's samples stay together in index order
+        samples.sort(key=lambda s: s.ids)
     engine = None
     if samples:
         if batch_size is None and job.engine.batch_size == "auto":

@@ -31,7 +31,8 @@ def fingerprint(job: JobSpec, model_id: dict) -> dict:
 
     The model's content hash covers its tokenizer and chat template (GGUF metadata, or the hashed
     tokenizer files of a model directory). Package versions are included because kernels and
-    tokenization may change between versions. ``engine.batch_size`` is included (batched decoding runs
+    tokenization may change between versions. The cache settings are included but for the prefix cache's
+    size (``_cache_settings``). ``engine.batch_size`` is included (batched decoding runs
     other matmul shapes, so a token may differ at a near-tie); ``engine.max_kv_memory_gb`` is not, nor
     ``engine.fused`` when "auto" (the default: fingerprints of jobs written before it existed hold). The
     input files are not: rows added later are processed
@@ -64,7 +65,7 @@ def fingerprint(job: JobSpec, model_id: dict) -> dict:
             "shuffle_seed": inp.shuffle_seed,
         },
         "generation": job.generation.to_dict(),
-        "cache": dataclasses.asdict(job.cache),
+        "cache": _cache_settings(job.cache),
         "engine": {k: v for k, v in dataclasses.asdict(job.engine).items()
                    if k != "max_kv_memory_gb" and not (k == "fused" and v == "auto")},
     }
@@ -76,6 +77,18 @@ def fingerprint(job: JobSpec, model_id: dict) -> dict:
     elif (schema := schema_digest()) != UNRECORDED_SCHEMA:
         fp["schema"] = schema
     return fp
+
+
+def _cache_settings(cache) -> dict:
+    """The cache settings that shape a row's arithmetic: every ``CacheSpec`` field but ``prefix_cache_gb``,
+    whose size changes only what is reused, not the result (reused KV is what the one-block prefill chunks
+    compute); ``prefix_block_size`` is None with prefix caching off (prefill chunks of
+    ``engine.prefill_step_size`` then)."""
+    out = dataclasses.asdict(cache)
+    gb = out.pop("prefix_cache_gb")
+    if not gb:
+        out["prefix_block_size"] = None
+    return out
 
 
 def _version(package: str) -> str:

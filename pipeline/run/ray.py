@@ -172,6 +172,8 @@ class _UnitWorker:
         attempts.unlink(missing_ok=True)
         return {"entry": json.dumps(entry), "failed": sum(r.error is not None for r in results),
                 "tokens": sum(r.completion_tokens or 0 for r in results), "seconds": time.perf_counter() - t0,
+                "prompt_tokens": sum(r.prompt_tokens or 0 for r in results if r.error is None),
+                "cached_prompt_tokens": sum(getattr(r, "cached_prompt_tokens", None) or 0 for r in results),
                 "closures": self.lm.engine.closure_count + self.batch_closures, "warmup_s": self.warmup_s}
 
 
@@ -273,6 +275,8 @@ def run_units(cluster: Cluster, job: JobSpec, store: ShardStore, model_path: Pat
                     summary.rows_written += entry["rows"]
                     summary.rows_failed += int(rec["failed"])
                     summary.completion_tokens += int(rec["tokens"])
+                    summary.prompt_tokens += int(rec["prompt_tokens"])
+                    summary.cached_prompt_tokens += int(rec["cached_prompt_tokens"])
                     w = summary.workers.setdefault(rec["worker"],
                                                    {"units": 0, "rows": 0, "tokens": 0, "seconds": 0.0})
                     w.update(units=w["units"] + 1, rows=w["rows"] + entry["rows"],

@@ -1,0 +1,103 @@
+"""Prefix caching: the KV of fixed-size prompt blocks kept across rows, so a prompt that starts like an earlier
+one reuses its keys and values instead of recomputing them (vLLM's automatic prefix caching).
+
+A prompt's ids are cut into blocks of ``block_size`` tokens; block ``k`` is keyed by a chained hash, sha256 of
+block ``k - 1``'s key and block ``k``'s ids, so a key stands for everything before the block's end (vLLM's
+``hash_block_tokens``). The store maps a key to a copy of every layer's keys and values of that block, in
+the form the layer's cache stores them (dense arrays, or ``(packed, scales, biases)`` triples), and holds at
+most ``capacity_bytes`` of them, evicting the least recently used block first; a hit touches its blocks last
+to first, so a chain's tail is evicted before its head (a head evicted first would orphan its tail).
+
+Exactness: a cached block is bitwise what a prefill would compute only if that prefill runs the same chunks.
+With prefix caching on, ``Engine.prefill_prompt`` therefore prefills in chunks of exactly one block at
+absolute block boundaries, cached or not (the last chunk is the prompt's tail), and always computes the
+block holding the prompt's last token (its logits start the generation), so a row that reuses ``h`` blocks
+runs exactly the chunks after ``h`` that the same row without reuse runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+
+def block_hashes(ids: list[int], block_size: int) -> list[bytes]:
+    """The chained key (32-byte sha256 digest) of each full block of ``ids``: ``len(ids) // block_size`` keys."""
+    out, h = [], b""
+    arr = np.asarray(ids, dtype=np.uint32)
+    for k in range(len(ids) // block_size):
+        h = hashlib.sha256(h + arr[k * block_size : (k + 1) * block_size].tobytes()).digest()
+        out.append(h)
+    return out
+
+
+def _nbytes(layers: list) -> int:
+    total = 0
+    for k, v in layers:
+        for buf in (k, v):
+            total += sum(b.nbytes for b in buf) if isinstance(buf, tuple) else buf.nbytes
+    return total
+
+
+class PrefixStore:
+    """Blocks of KV by chained hash, within ``capacity_bytes``, least recently used evicted first.
+
+    Args:
+        capacity_bytes: most bytes of keys and values held (``cache.prefix_cache_gb`` x 10**9).
+        block_size: tokens per block.
+
+    Attributes:
+        nbytes: bytes held now.
+        evictions: blocks evicted so far.
+    """
+
+    def __init__(self, capacity_bytes: int, block_size: int):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.capacity_bytes, self.block_size = int(capacity_bytes), block_size
+        self.blocks: OrderedDict[bytes, tuple[list, int]] = OrderedDict()
+        self.nbytes = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.blocks
+
+    def hits(self, keys: list[bytes]) -> int:
+        """Leading ``keys`` held (the blocks a prompt with these keys can reuse); touches nothing."""
+        n = 0
+        while n < len(keys) and keys[n] in self.blocks:
+            n += 1
+        return n
+
+    def take(self, keys: list[bytes]) -> list[list]:
+        """The blocks of the leading ``keys`` held, each a per-layer list of ``(keys, values)`` in stored form
+        ``(1, n_kv_heads, block_size, ...)``; touched last to first (most recently used: the chain's head)."""
+        n = self.hits(keys)
+        for key in reversed(keys[:n]):
+            self.blocks.move_to_end(key)
+        return [self.blocks[key][0] for key in keys[:n]]
+
+    def put(self, key: bytes, layers: list) -> None:
+        """Hold ``layers`` (a per-layer list of ``(keys, values)`` copies of one block) as ``key``, evicting
+        least recently used blocks until it fits; a block larger than the whole store is not held."""
+        if key in self.blocks:
+            self.blocks.move_to_end(key)
+            return
+        size = _nbytes(layers)
+        if size > self.capacity_bytes:
+            return
+        while self.nbytes + size > self.capacity_bytes:
+            _, (_, freed) = self.blocks.popitem(last=False)
+            self.nbytes -= freed
+            self.evictions += 1
+        self.blocks[key] = (layers, size)
+        self.nbytes += size
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.nbytes = 0

@@ -1,0 +1,211 @@
+"""Prefix caching (``pipeline.engine.prefix``, ``Engine.prefill_prompt``): a row that reuses KV of earlier rows
+equals, bitwise on the CPU, the same row prefilled by an engine that has nothing to reuse (tokens and
+logprobs), for prompts sharing no block, one block, many blocks, a prompt ending on a block edge, a repeated
+prompt (``n`` > 1), under eviction, in batched mode, with quantized and rotating caches; and the reuse is
+real (the prompt tokens the engine computes drop by what ``cached_prompt_tokens`` says)."""
+
+from __future__ import annotations
+
+import pipeline  # noqa: F401  (loads OpenBLAS before mlx.core, as in real runs)
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+
+from pipeline.engine import Engine, GenerateParams
+from pipeline.engine.batch import BatchEngine, Request
+from pipeline.engine.prefix import PrefixStore, block_hashes
+from pipeline.jobspec import CacheSpec
+from pipeline.models.llama import Model, ModelArgs
+
+CONFIG = {
+    "model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 512, "tie_word_embeddings": True,
+}
+B = 16  # prefix_block_size in these tests
+GREEDY = GenerateParams(max_tokens=6, logprobs=2)
+SAMPLED = GenerateParams(max_tokens=6, temperature=0.9, seed=5, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A random-weight llama, head_dim 32 (so kv_group_size 32 works), projections scaled up 4x as in
+    tests/test_engine.py (otherwise greedy decoding repeats one token)."""
+    mx.random.seed(1)
+    m = Model(ModelArgs.from_dict(CONFIG))
+    m.update(tree_unflatten([(k, v * 4) for k, v in tree_flatten(m.parameters()) if k.endswith("proj.weight")]))
+    m.eval()
+    mx.eval(m.parameters())
+    return m
+
+
+KINDS = {
+    "full": {},
+    "quantized": {"kv_bits": 4, "kv_group_size": 32},
+    "rotating": {"max_kv_size": 256},
+    "rotating-quantized": {"max_kv_size": 256, "kv_bits": 8, "kv_group_size": 32},
+}
+
+
+def engine(model, gb: float = 1.0, **cache) -> Engine:
+    spec = CacheSpec(prefix_cache_gb=gb, prefix_block_size=B, **cache)
+    return Engine(model, [0], 512, cache_spec=spec, compile=False)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(1, 96, n)]
+
+
+SHARED = ids(0, 100)  # 6 full blocks and 4 tokens
+PROMPTS = [
+    SHARED + ids(1, 20),           # nothing cached yet
+    ids(2, 40),                    # shares no block
+    SHARED[:20] + ids(3, 30),      # shares one block (16 of 20 shared tokens)
+    SHARED + ids(4, 7),            # shares 6 blocks
+    SHARED[:64],                   # ends on a block edge, all 4 blocks cached: the last one is recomputed
+    SHARED[:64],                   # the same prompt again (a row's next sample): nothing recomputed
+]
+CACHED = [0, 0, 16, 96, 48, 64]
+
+
+def same(a, b) -> None:
+    """Two generations equal bitwise: tokens, chosen logprobs, top ids and top logprobs."""
+    assert a.token_ids == b.token_ids
+    assert a.logprobs == b.logprobs
+    assert a.top_token_ids == b.top_token_ids and a.top_logprobs == b.top_logprobs
+
+
+def test_block_keys_chain_over_everything_before():
+    a = block_hashes(list(range(40)), 16)
+    assert len(a) == 2 and len(set(a)) == 2 and all(len(k) == 32 for k in a)
+    assert block_hashes(list(range(32)), 16) == a  # the tail after the last full block has no key
+    b = block_hashes([99] + list(range(1, 40)), 16)
+    assert b[0] != a[0] and b[1] != a[1]  # block 1's ids are equal; its key covers block 0 too
+    assert block_hashes(list(range(15)), 16) == []
+
+
+def _block(nbytes: int):
+    return [(mx.zeros((nbytes // 8,), mx.float32), mx.zeros((nbytes // 8,), mx.float32))]
+
+
+def test_store_evicts_least_recently_used_and_a_chain_tail_first():
+    store = PrefixStore(capacity_bytes=3 * 64, block_size=16)
+    for key in (b"a0", b"a1", b"a2"):
+        store.put(key, _block(64))
+    assert len(store) == 3 and store.nbytes == 192
+    assert len(store.take([b"a0", b"a1", b"a2"])) == 3  # touched a2, a1, a0: a0 most recent
+    store.put(b"b0", _block(64))
+    assert b"a2" not in store and store.hits([b"a0", b"a1", b"a2"]) == 2 and store.evictions == 1
+    store.put(b"big", _block(256))  # larger than the whole store: not held, nothing evicted
+    assert b"big" not in store and len(store) == 3 and store.nbytes <= store.capacity_bytes
+    assert store.hits([b"x", b"a0"]) == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reuse_equals_a_prefill_without_reuse(model, kind):
+    shared_engine = engine(model, **KINDS[kind])
+    for i, (prompt, params) in enumerate(zip(PROMPTS, [GREEDY, SAMPLED] * 3)):
+        before = shared_engine.prefill_tokens
+        got = shared_engine.generate(prompt, params)
+        alone = engine(model, **KINDS[kind]).generate(prompt, params)
+        assert (got.cached_prompt_tokens, alone.cached_prompt_tokens) == (CACHED[i], 0), i
+        assert shared_engine.prefill_tokens - before == len(prompt) - CACHED[i]
+        same(got, alone)
+
+
+def test_prefix_cache_off_prefills_as_before(model):
+    off = engine(model, gb=0)
+    assert off.prefix is None and off.block_size is None
+    for prompt in PROMPTS[:2] + PROMPTS[:1]:
+        g = off.generate(prompt, GREEDY)
+        assert g.cached_prompt_tokens == 0
+        plain = Engine(model, [0], 512, compile=False)  # no cache spec: today's engine
+        same(g, plain.generate(prompt, GREEDY))
+    assert off.prefill_tokens == 2 * len(PROMPTS[0]) + len(PROMPTS[1])
+
+
+def test_n_samples_prefill_once(model):
+    eng = engine(model)
+    prompt = SHARED + ids(9, 9)
+    params = [GenerateParams(max_tokens=8, temperature=1.0, seed=s, logprobs=0) for s in range(4)]
+    got = [eng.generate(prompt, p) for p in params]
+    assert eng.prefill_tokens == len(prompt)
+    assert [g.cached_prompt_tokens for g in got] == [0] + [len(prompt)] * 3
+    assert len({tuple(g.token_ids) for g in got}) > 1  # the samples differ; each equals its own prefill
+    for g, p in zip(got, params):
+        same(g, engine(model).generate(prompt, p))
+
+
+def test_a_rotating_window_limits_reuse_and_logs_once(model, caplog):
+    eng = engine(model, max_kv_size=40)  # 2 whole blocks fit the window
+    first = eng.generate(PROMPTS[0], GREEDY)
+    with caplog.at_level("WARNING", logger="pipeline"):
+        got = eng.generate(PROMPTS[3], GREEDY)
+        again = eng.generate(SHARED + ids(5, 3), GREEDY)
+    assert first.cached_prompt_tokens == 0 and got.cached_prompt_tokens == again.cached_prompt_tokens == 32
+    assert sum("prefix reuse stops at 32 tokens" in r.message for r in caplog.records) == 1
+    same(got, engine(model, max_kv_size=40).generate(PROMPTS[3], GREEDY))
+
+
+def test_quantized_kv_start_turns_block_reuse_off_but_samples_still_share(model, caplog):
+    with caplog.at_level("WARNING", logger="pipeline"):
+        eng = engine(model, kv_bits=8, kv_group_size=32, quantized_kv_start=40)
+        assert eng.prefix is None and "quantized_kv_start" in eng.prefix_off
+        a = eng.generate(PROMPTS[0], GREEDY)
+        b = eng.generate(PROMPTS[3], GREEDY)
+        c = eng.generate(PROMPTS[3], SAMPLED)
+    assert (a.cached_prompt_tokens, b.cached_prompt_tokens, c.cached_prompt_tokens) == (0, 0, len(PROMPTS[3]))
+    assert sum("quantized_kv_start" in r.message for r in caplog.records) == 1
+    same(c, engine(model, kv_bits=8, kv_group_size=32, quantized_kv_start=40).generate(PROMPTS[3], SAMPLED))
+
+
+def test_eviction_under_a_tiny_prefix_cache(model):
+    per_block = 2 * 2 * 2 * B * 32 * 4  # layers x (k, v) x kv heads x block x head_dim x float32
+    eng = engine(model, gb=2.5 * per_block / 1e9)  # room for 2 blocks
+    a = eng.generate(PROMPTS[0], GREEDY)  # 7 blocks computed: the last 2 held, the chain's head evicted
+    assert eng.prefix.nbytes == 2 * per_block and eng.prefix.evictions == 5
+    b = eng.generate(PROMPTS[3], GREEDY)
+    assert (a.cached_prompt_tokens, b.cached_prompt_tokens) == (0, 0)
+    same(b, engine(model).generate(PROMPTS[3], GREEDY))
+    short = eng.generate(SHARED[:40], GREEDY)  # its 2 blocks fill the store again...
+    again = eng.generate(SHARED[:40] + [7], GREEDY)  # ...and are reused
+    assert (short.cached_prompt_tokens, again.cached_prompt_tokens) == (0, 32)
+    same(again, engine(model).generate(SHARED[:40] + [7], GREEDY))
+    assert eng.prefix.nbytes <= eng.prefix.capacity_bytes
+
+
+def _batched(model, requests, *, prefill_batch=False, **cache):
+    eng = engine(model, **cache)
+    out = dict(BatchEngine(eng, 3, 256, prefill_batch=prefill_batch).run(requests))
+    return out, eng
+
+
+@pytest.mark.parametrize("kind", ["full", "quantized"])
+def test_batched_slots_loaded_from_the_store_equal_slots_without_reuse(model, kind):
+    params = [GREEDY, SAMPLED] * 3
+    requests = [Request(i, p, params[i]) for i, p in enumerate(PROMPTS)]
+    got, eng = _batched(model, requests, **KINDS[kind])
+    for i, r in enumerate(requests):
+        alone, _ = _batched(model, [r], **KINDS[kind])
+        same(got[i], alone[i])
+        assert alone[i].cached_prompt_tokens == 0
+    # Rows 0-2 are admitted together (3 free slots) before any prefix is stored; later rows reuse.
+    assert [got[i].cached_prompt_tokens for i in range(len(PROMPTS))] == [0, 0, 16, 96, 48, 64]
+    assert eng.prefill_tokens == sum(len(p) for p in PROMPTS) - 224
+
+
+def test_group_prefill_leaves_the_store_alone(model):
+    """The GPU's group prefill (forced on here) neither reads nor adds blocks: its forward has other shapes
+    than one-block chunks (a reused block would match only to rounding), and storing would cost a wait for
+    the device and copies per block on every admission. A prompt sharing 48 tokens with a grouped one
+    reuses nothing and gives its own tokens."""
+    short = SHARED[:50]
+    requests = [Request(0, short, GREEDY), Request(1, ids(7, 30), GREEDY), Request(2, ids(8, 30), GREEDY),
+                Request(3, short[:48] + [3, 4], GREEDY)]
+    got, eng = _batched(model, requests, prefill_batch=True)
+    assert [got[i].cached_prompt_tokens for i in range(4)] == [0, 0, 0, 0]
+    assert len(eng.prefix) == 0
+    ref, _ = _batched(model, requests[3:], prefill_batch=True)
+    assert got[3].token_ids == ref[3].token_ids and got[3].logprobs == ref[3].logprobs
