@@ -333,3 +333,34 @@ def test_n_samples_and_seeds(tiny_job_files):
     rows = read_output(tmp / "n").to_pylist()
     assert len(rows) == 18 and all(re.fullmatch("[a-z]{3}", r["completion"]) for r in rows)
     assert len({r["completion"] for r in rows}) > 6  # samples differ: each has its own seed
+
+
+PET = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9},
+                                        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+       "required": ["pet", "legs"], "additionalProperties": False, "x-guidance": COMPACT}
+
+
+def test_export_json_fields_keeps_every_row(tiny_job_files, tmp_path):
+    """Rows whose completion is a JSON object get its fields as columns (the schema's, in its order); a failed
+    row, a completion that is not an object, keep their row with null fields and a json_error."""
+    import pyarrow.parquet as pq
+
+    tmp, model = tiny_job_files
+    run_job(_tiny_job(tmp, model, "export", generation={"max_tokens": 24, "structured": {"json": PET}}),
+            progress=False, echo=lambda *a: None)
+    run_cli("export", str(tmp / "export"), "--to", str(tmp_path / "flat.parquet"), "--json-fields")
+    table = pq.read_table(tmp_path / "flat.parquet")
+    assert table.num_rows == 6 and table.column_names[-4:] == ["pet", "legs", "tags", "json_error"]
+    assert str(table.schema.field("legs").type) == "int64" and str(table.schema.field("tags").type) == "string"
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert rows["r2"]["json_error"].startswith("not JSON: ") and rows["r2"]["pet"] is None  # choice alpha / beta
+    assert rows["r5"]["json_error"] == "not a JSON object: str" and rows["r5"]["legs"] is None  # enum "x" / "y"
+    assert rows["r3"]["json_error"] == "no completion" and rows["r3"]["error"] is not None
+    parsed = [r for r in rows.values() if r["json_error"] is None]
+    assert parsed and all(r["finish_reason"] == "stop" for r in parsed)
+    for r in parsed:
+        value = json.loads(r["completion"])
+        jsonschema.validate(value, PET)
+        assert (r["pet"], r["legs"]) == (value["pet"], value["legs"])
+        assert r["tags"] == (json.dumps(value["tags"]) if "tags" in value else None)
