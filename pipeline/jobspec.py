@@ -516,6 +516,11 @@ class JobSpec:
                     bad.append(f"input.{key} is for task: score (this job's task is generate)")
         bad.raise_any()
 
+    @property
+    def uses_structured(self) -> bool:
+        """Some row may be constrained: ``generation.structured`` or ``input.structured_column`` is set."""
+        return self.generation.structured is not None or self.input.structured_column is not None
+
     def to_dict(self) -> dict:
         """The job as JSON values (tuples as lists)."""
         return _plain(dataclasses.asdict(self))

@@ -364,3 +364,16 @@ def test_export_json_fields_keeps_every_row(tiny_job_files, tmp_path):
         jsonschema.validate(value, PET)
         assert (r["pet"], r["legs"]) == (value["pet"], value["legs"])
         assert r["tags"] == (json.dumps(value["tags"]) if "tags" in value else None)
+
+
+def test_warm_up_traces_the_constrained_step(tmp_path):
+    """A structured job's warm-up traces the forward-only step its constrained rows decode with (compiled
+    where the machine compiles), so the first row traces nothing."""
+    from pipeline import load_model
+
+    lm = load_model(path=write_tiny_model(tmp_path / "tiny"))
+    lm.warm_up(structured=True)
+    traces = lm.engine.trace_count
+    g = lm.engine.generate([1, 2, 3], GenerateParams(max_tokens=6, structured=StructuredOutputsParams(regex="[a-z]+")))
+    assert lm.engine.trace_count == traces
+    assert g.compiled == lm.engine.compile
