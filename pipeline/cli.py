@@ -269,13 +269,16 @@ def status(out_dir, as_json, verify):
 @click.option("--pivot", is_flag=True,
               help="task: score: one row per id, the choices' scores as lists, pred and pred_norm (argmax of "
                    "logprob_sum, of logprob_sum / num_tokens).")
-def export(out_dir, to, join_input, overwrite, pivot):
+@click.option("--json-fields", is_flag=True,
+              help="Parse each completion as a JSON object into columns (every key met, and the job's schema "
+                   "fields), plus json_error; rows that do not parse keep null fields.")
+def export(out_dir, to, join_input, overwrite, pivot, json_fields):
     """Merge the committed rows of OUT_DIR into one file or dataset directory, in input order."""
     from .export import ExportError, export_results
 
     try:
         summary = export_results(out_dir, to, join_input=join_input, overwrite=overwrite,
-                                 warn=lambda line: click.echo(line, err=True), pivot=pivot)
+                                 warn=lambda line: click.echo(line, err=True), pivot=pivot, json_fields=json_fields)
     except (ExportError, *USER_ERRORS) as e:
         _fail(e)
     click.echo(summary.line())

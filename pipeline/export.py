@@ -1,8 +1,10 @@
 """``pipeline export OUT_DIR --to PATH``: the committed results merged into one Parquet file, one JSON Lines
-file or a Hugging Face ``datasets`` directory, in input order, optionally with the input's columns."""
+file or a Hugging Face ``datasets`` directory, in input order, optionally with the input's columns or the
+fields of JSON completions as columns (``--json-fields``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -209,8 +211,57 @@ def pivot_choices(table: pa.Table) -> pa.Table:
     return pa.table({k: pa.array(v, types[k]) for k, v in out.items()})
 
 
+def json_columns(table: pa.Table, schema: dict | None = None) -> pa.Table:
+    """``table`` plus one column per top-level field of each row's JSON ``completion``, and ``json_error``.
+
+    The fields are every key met, in first-seen order (llguidance writes an object's properties in its
+    schema's order), then the ``properties`` of ``schema`` (the job's ``generation.structured.json``) that no
+    completion holds, so a schema's optional fields always get a column. A field whose values are all strings,
+    all booleans, or all numbers keeps that type (pyarrow's: string, bool, int64 or double); an object or an
+    array, or a mix of types, is written as its JSON text (string), so the table stays flat. A field whose
+    name the results use gets a ``json_`` prefix.
+
+    A row whose completion does not parse as a JSON object (a failed row, one cut by ``max_tokens``, a
+    value that is not an object) is kept: its fields are null and ``json_error`` (string) says why; null
+    where the completion parsed.
+    """
+    parsed, errors = [], []
+    for text in table.column("completion").to_pylist():
+        if text is None:
+            value, error = None, "no completion"
+        else:
+            try:
+                value, error = json.loads(text), None
+            except ValueError as e:
+                value, error = None, f"not JSON: {e}"
+        if value is not None and not isinstance(value, dict):
+            value, error = None, f"not a JSON object: {type(value).__name__}"
+        parsed.append(value)
+        errors.append(error)
+    names = list(dict.fromkeys([*(k for v in parsed if v is not None for k in v),
+                                *((schema or {}).get("properties") or {})]))
+    for name in names:
+        values = [None if v is None else v.get(name) for v in parsed]
+        table = table.append_column(f"json_{name}" if name in table.column_names else name, _flat_column(values))
+    return table.append_column("json_error", pa.array(errors, pa.string()))
+
+
+def _flat_column(values: list) -> pa.Array:
+    kinds = {bool if isinstance(v, bool) else (int, float) if isinstance(v, (int, float)) else type(v)
+             for v in values if v is not None}
+    if len(kinds) == 1 and kinds <= {str, bool, (int, float)}:
+        if kinds == {(int, float)} and any(isinstance(v, float) for v in values):
+            return pa.array([None if v is None else float(v) for v in values], pa.float64())
+        try:
+            return pa.array(values)
+        except (pa.ArrowInvalid, OverflowError):  # an integer beyond int64
+            pass
+    return pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values], pa.string())
+
+
 def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, overwrite: bool = False,
-                   warn: Callable[[str], None] = print, pivot: bool = False) -> ExportSummary:
+                   warn: Callable[[str], None] = print, pivot: bool = False,
+                   json_fields: bool = False) -> ExportSummary:
     """Merge the committed shards of ``out_dir`` into one file or directory.
 
     Rows are sorted by their input row's position in the job's input (joined by id; sample_index
@@ -227,6 +278,8 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
             ``input_`` prefix), nulls for rows no longer in the input.
         overwrite: replace an existing destination (a directory only if it is a saved dataset or empty).
         pivot: a ``task: score`` output as one row per id with ``pred`` and ``pred_norm`` (``pivot_choices``).
+        json_fields: parse each JSON completion into columns (``json_columns``; the fields of the job's
+            ``generation.structured.json`` schema when it has one), with a ``json_error`` column.
         warn: where a note goes when the input cannot be read (the rows are then sorted by id), or when
             shards record no sha256 to verify (an older manifest).
 
@@ -234,10 +287,12 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
         OutputError: ``out_dir`` has no manifest, or a committed shard is missing or damaged (its bytes do
             not match the manifest's size or sha256): nothing is written.
         ExportError: nothing committed, unknown format, destination exists or lies inside ``out_dir``;
-            ``pivot`` of an output that is not ``task: score``'s.
+            ``pivot`` of an output that is not ``task: score``'s; ``json_fields`` with ``pivot``.
         InputError: ``join_input`` and the input cannot be read.
     """
     out_dir, dest = Path(out_dir), Path(to)
+    if pivot and json_fields:
+        raise ExportError("--json-fields parses completions; --pivot is for task: score outputs (no completions)")
     fmt = export_format(to)
     _check_destination(out_dir, dest, fmt, overwrite)
     manifest, table = read_committed(out_dir, warn)
@@ -263,6 +318,9 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
         ids = table.column("id").to_pylist()
         table = pivot_choices(table)
         positions = [p for k, p in enumerate(positions) if k == 0 or ids[k] != ids[k - 1]]
+    if json_fields:
+        structured = job.generation.structured if job is not None else None
+        table = json_columns(table, structured.json if structured is not None else None)
     if join_input:
         table = _with_input(table, positions, job)
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,8 @@ class InputRow:
         choices: ``task: score``: the row's ``input.choices_column`` cell (a list of strings, or whatever
             it holds: checked per row, ``run.plan.row_choices``) or its ``input.continuation_column`` cell;
             None otherwise.
+        structured: the row's ``input.structured_column`` cell (a JSON string, checked per row:
+            ``run.plan.row_generation``), or None.
     """
 
     index: int
@@ -49,6 +51,7 @@ class InputRow:
     overrides: dict = field(default_factory=dict)
     error: str | None = None
     choices: object = None
+    structured: str | None = None
 
 
 # File suffix -> reader: "parquet" is pyarrow's; the others are ``datasets`` builder names.
@@ -133,7 +136,7 @@ def override_columns(spec: InputSpec, names) -> list[str]:
     if not spec.row_overrides:
         return []
     taken = {spec.id_column, spec.prompt_column, spec.messages_column, spec.choices_column,
-             spec.continuation_column}
+             spec.continuation_column, spec.structured_column}
     return [c for c in ROW_OVERRIDES if c in names and c not in taken]
 
 
@@ -203,7 +206,7 @@ def needed_columns(spec: InputSpec) -> dict[str, str]:
         keys.setdefault(spec.prompt_column, "input.prompt_column")
     if spec.messages_column:
         keys.setdefault(spec.messages_column, "input.messages_column")
-    for key in ("choices_column", "continuation_column"):
+    for key in ("choices_column", "continuation_column", "structured_column"):
         if getattr(spec, key):
             keys.setdefault(getattr(spec, key), f"input.{key}")
     for f in _filters(spec):
@@ -427,6 +430,8 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
         _check_column(table, spec.choices_column, "input.choices_column", "list<string>", _is_list_of(_is_string))
     if spec.continuation_column:
         _check_column(table, spec.continuation_column, "input.continuation_column", "string", _is_string)
+    if spec.structured_column:
+        _check_column(table, spec.structured_column, "input.structured_column", "string", _is_string)
     for name in override_columns(spec, table.column_names):
         kind, ok = _OVERRIDE_TYPES.get(name, ("number", _is_number))
         _check_column(table, name, f"per-row override of generation.{name}", kind, ok)
@@ -448,8 +453,9 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
     messages = sel.column(spec.messages_column).to_pylist() if spec.messages_column else [None] * n
     scored = spec.choices_column or spec.continuation_column
     choices = sel.column(scored).to_pylist() if scored else [None] * n
+    structured = sel.column(spec.structured_column).to_pylist() if spec.structured_column else [None] * n
     rows = [InputRow(index=i, id=all_ids[i], prompt=prompts[k], messages=messages[k],
                      overrides={c: v[k] for c, v in overrides.items() if v[k] is not None}, error=errors[k],
-                     choices=choices[k])
+                     choices=choices[k], structured=structured[k])
             for k, i in enumerate(picked)]
     return rows, id_type

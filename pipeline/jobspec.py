@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import re
 import types
 import typing
@@ -19,6 +20,7 @@ import yaml
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .engine.params import GenerateParams
+from .engine.structured import StructuredOutputsParams
 from .errors import JobSpecError
 from .resolve import DEFAULT_MODEL
 
@@ -124,6 +126,9 @@ class InputSpec:
         order: the order rows run in: "input" (as selected), or "prefix": sorted by their prompt token ids,
             so rows sharing a prefix run one after another and reuse it while it is in the prefix cache
             (``cache.prefix_cache_gb``). Row keys, resume and ``pipeline export``'s order do not change.
+        structured_column: column of one JSON string per row holding that row's ``generation.structured``
+            mapping (e.g. ``{"regex": "[0-9]+"}``), which replaces the job's for the row; null: the job's
+            (unconstrained when it has none). A value that does not parse or compile fails its row.
     """
 
     path: str | None = None
@@ -143,6 +148,7 @@ class InputSpec:
     choices_column: str | None = None
     continuation_column: str | None = None
     order: str = "input"
+    structured_column: str | None = None
 
     def __post_init__(self):
         if isinstance(self.filter, FilterSpec):
@@ -198,8 +204,14 @@ class GenerationSpec(GenerateParams):
                 object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
 
     def to_dict(self) -> dict:
-        """The settings as JSON values (tuples as lists), as the fingerprint and the manifest record them."""
-        return _plain(dataclasses.asdict(self))
+        """The settings as JSON values (tuples as lists), as the fingerprint and the manifest record them;
+        ``structured`` only when set (fingerprints of jobs written before it existed hold)."""
+        out = _plain(dataclasses.asdict(self))
+        if out["structured"] is None:
+            del out["structured"]
+        else:
+            out["structured"] = {k: v for k, v in out["structured"].items() if v not in (None, False)}
+        return out
 
     def check(self, where: str = "generation."):
         """Range checks; ``where`` prefixes the key in messages (an input column for row overrides).
@@ -243,6 +255,26 @@ class GenerationSpec(GenerateParams):
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", "null or in [0, 20]", self.logprobs)
         problems.raise_any()
+
+
+def structured_from_cell(text, where: str) -> StructuredOutputsParams:
+    """One ``input.structured_column`` cell (a JSON string holding a ``generation.structured`` mapping)
+    as ``StructuredOutputsParams``, checked like the job key.
+
+    Raises:
+        JobSpecError: one line starting with ``where``: not a string, not JSON, not a mapping, an unknown
+            key, or a schema / regex / grammar that does not compile.
+    """
+    if not isinstance(text, str):
+        raise JobSpecError(f"{where} must be a JSON string, got {type(text).__name__}")
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise JobSpecError(f"{where} is not JSON: {e}") from None
+    try:
+        return _build(StructuredOutputsParams, data, "generation.structured")
+    except JobSpecError as e:
+        raise JobSpecError(" ".join(p.replace("generation.structured", where, 1) for p in e.problems)) from None
 
 
 # Generation keys an input column of the same name may set per row.
@@ -498,11 +530,18 @@ class JobSpec:
                 bad.append("engine.batch_size must be 1 with task: score (the choices of a row run as one batch)")
             if self.executor == "ray":
                 bad.append("task: score runs with executor: local only")
+            if self.generation.structured is not None or inp.structured_column is not None:
+                bad.append("generation.structured and input.structured_column are for task: generate")
         else:
             for key in ("choices_column", "continuation_column"):
                 if getattr(inp, key) is not None:
                     bad.append(f"input.{key} is for task: score (this job's task is generate)")
         bad.raise_any()
+
+    @property
+    def uses_structured(self) -> bool:
+        """Some row may be constrained: ``generation.structured`` or ``input.structured_column`` is set."""
+        return self.generation.structured is not None or self.input.structured_column is not None
 
     def to_dict(self) -> dict:
         """The job as JSON values (tuples as lists)."""

@@ -13,6 +13,7 @@ from . import _blas
 from .engine.compiled import warn_if_no_cpu_compile
 from .engine import Engine, GenerateParams, Request
 from .engine.batch import device_memory
+from .engine.structured import StructuredOutputsParams
 from .gguf import read_gguf
 from .modeldir import model_files, read_model_dir, weight_files
 from .models import FAMILIES, build_model, dequantize_model, dequantized_nbytes
@@ -132,7 +133,7 @@ class LoadedModel:
             batch_size=batch_size,
         )
 
-    def warm_up(self, batch=None) -> float:
+    def warm_up(self, batch=None, structured: bool = False) -> float:
         """Generate 3 tokens from an 8-token prompt on the path the job decodes on and return the wall
         seconds it took: the first use of a model compiles its kernels (MLX's CUDA backend: NVRTC, tens of
         seconds on an H200) and traces the decode step, which should not land in the first row's
@@ -142,16 +143,24 @@ class LoadedModel:
         or eager step of ``engine.path``). The caches (and a batch's slot) are overwritten by the next
         generation, so nothing of it reaches later rows; it logs no warnings and leaves the
         once-per-engine ones (a prompt longer than ``cache.max_kv_size``, eager decoding) to the first
-        row that meets them (``Engine.quiet``)."""
+        row that meets them (``Engine.quiet``). ``structured`` (a job with structured output): one more
+        request, held to any JSON object, builds the tokenizer's llguidance copy (~0.4 s) and, in sequential
+        mode, traces the forward-only step constrained requests decode with."""
         t = time.perf_counter()
         vocab = self.model.args.vocab_size
         prompt = lambda n: [self.tokenizer.bos_token_id or 0] + [i % vocab for i in range(1, n)]  # noqa: E731
         params = GenerateParams(max_tokens=3, ignore_eos=True)
+        constrained = GenerateParams(max_tokens=3, structured=StructuredOutputsParams(json_object=True))
         with self.engine.quiet():
             if batch is None:
                 self.engine.generate(prompt(8), params)
+                if structured:
+                    self.engine.generate(prompt(8), constrained)
             else:
-                for _ in batch.run([Request(("warm-up", n), prompt(n), params) for n in batch.warm_up_lengths()]):
+                reqs = [Request(("warm-up", n), prompt(n), params) for n in batch.warm_up_lengths()]
+                if structured:
+                    reqs.append(Request(("warm-up", "structured"), prompt(8), constrained))
+                for _ in batch.run(reqs):
                     pass
         self.engine.drop_prefixes()  # the made-up prompt's blocks would only take room in the prefix cache
         return time.perf_counter() - t

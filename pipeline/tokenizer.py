@@ -130,6 +130,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._hf.get_vocab_size(with_added_tokens=True)
 
+    def to_str(self) -> str:
+        """The Hugging Face ``tokenizer.json`` text of this tokenizer (as ``tokenizers.Tokenizer.to_str``)."""
+        return self._hf.to_str()
+
     @property
     def bos_token(self) -> str:
         return "" if self.bos_token_id is None else self._hf.id_to_token(self.bos_token_id)

@@ -55,6 +55,7 @@ from .cuda import BatchedDecoder, batched_blocker
 from .params import Generation
 from .request import Decoding, Request
 from .sequential import Engine
+from .structured import SlotMasks
 from .views import BatchView, stored_slots, layer_capacity, layer_kind, position_bytes
 
 PREFILL_MIN_BUCKET = 16  # shortest padded length of a group prefill (tokens)
@@ -480,14 +481,24 @@ class BatchEngine:
         yield from out
         step = self._step_fn()
         sampling = SlotSampler(self.B)  # every slot's sampling settings and state, for this run
+        masks = SlotMasks(self.B)  # the structured-output masks of the constrained slots
 
-        def launch(tokens: mx.array, pos: mx.array, active: mx.array):
-            """Queue one decode step for every slot; returns its lazy ``(tokens, positions, extras)``."""
+        def forward(tokens: mx.array, pos: mx.array, active: mx.array):
+            """Queue one decode step's forward for every slot; returns its lazy ``(logits, argmax, positions)``."""
             logits, greedy, pos, *bufs = step(tokens, pos, active, *self.buffers)
             self.buffers = bufs
-            nxt, extras = sampling.step(slots, logits, greedy)  # one batched sampling call for every slot
+            return logits, greedy, pos
+
+        def sample(fwd):
+            """Queue the sampling of a forward's logits (one batched call for every slot, with the
+            constrained slots' masks from their tokens so far); returns the lazy ``(tokens, positions, extras)``."""
+            logits, greedy, pos = fwd
+            nxt, extras = sampling.step(slots, logits, greedy, masks.allowed(slots, logits.shape[-1]))
             mx.async_eval(nxt, pos, *self.buffers, *sampling.arrays(), *extras.arrays)
             return nxt, pos, extras
+
+        def launch(tokens: mx.array, pos: mx.array, active: mx.array):
+            return sample(forward(tokens, pos, active))
 
         # ``current``: each live slot's next token to record (a step's output, or a new request's first
         # token) and the position it is fed at; its ids are read only after the next step is queued, so
@@ -497,19 +508,31 @@ class BatchEngine:
         firsts = {b: extras for b, (_, extras) in firsts.items()}
         while current is not None:
             # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
+            # With a constrained slot, only step t + 1's forward is queued: its sampling needs the masks made
+            # from step t's tokens, computed on the host (llguidance's threads) while that forward runs.
             ahead = None
+            constrained = any(s is not None and s.constraint is not None for s in slots)
             if any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots):
-                ahead = launch(current[0], current[1], active)
+                ahead = forward(current[0], current[1], active)
+                if constrained:
+                    mx.async_eval(ahead, *self.buffers)
+                else:
+                    ahead = sample(ahead)
             toks = current[0].tolist()
             out, changed = [], False
             for b, s in enumerate(slots):
                 if s is None:
                     continue
-                done = s.push(toks[b], firsts[b] if b in firsts else current[2].get(b, ()))
+                try:
+                    done = s.push(toks[b], firsts[b] if b in firsts else current[2].get(b, ()))
+                except RowError as e:  # its grammar rejected the token
+                    done = e
                 if done:
-                    out.append((s.tag, self._finish(s, done)))
+                    out.append((s.tag, done if isinstance(done, RowError) else self._finish(s, done)))
                     slots[b] = None
                     changed = True
+            if constrained and ahead is not None:
+                ahead = sample(ahead)
             seated = {}
             if None in slots and (pending or not exhausted):
                 # a new request's prefill overwrites its slot, step t + 1's write included

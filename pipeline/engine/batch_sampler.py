@@ -34,7 +34,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .sampler import SamplerConsts, SamplerKind, SamplerState, adjusted_logits, sample_tokens
+from .sampler import NEG_INF, SamplerConsts, SamplerKind, SamplerState, adjusted_logits, sample_tokens
 
 _split_rows = mx.vmap(mx.random.split)  # (B, 2) keys -> (B, 2, 2): each row's (next key, subkey)
 _uniform_rows = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))  # (B, 2) keys -> (B, 1)
@@ -83,7 +83,7 @@ class RowFlags(NamedTuple):
 
 
 def sample_batch(kind: BatchKind, logits: mx.array, consts: SamplerConsts, state: SamplerState, flags: RowFlags,
-                 argmax: mx.array | None = None):
+                 argmax: mx.array | None = None, allowed: mx.array | None = None):
     """Pick the next token of every row: ``sample_step`` row by row, as one graph.
 
     Args:
@@ -95,6 +95,8 @@ def sample_batch(kind: BatchKind, logits: mx.array, consts: SamplerConsts, state
             ``counts`` ``(B, vocab)`` float32 (``(B, 1)`` when ``kind.penalties`` is off), ``n_out`` ``(B, 1)`` int32.
         flags: the rows' ``RowFlags``.
         argmax: ``(B,)`` uint32 argmax of ``logits`` if already computed (used when nothing changes them).
+        allowed: ``(B, vocab)`` bool, the tokens each row's structured-output grammar allows (all True on a
+            row without one; ``structured.SlotMasks``), applied as in ``sample_step``; None: every token.
 
     Returns:
         ``(tokens (B,) uint32, state, logprobs)``: the next ``SamplerState`` (the parts ``kind`` does not
@@ -107,6 +109,8 @@ def sample_batch(kind: BatchKind, logits: mx.array, consts: SamplerConsts, state
     key, seen, counts, n_out = state
     raw = logits.astype(mx.float32)
     x = adjusted_logits(kind, raw, consts, state)
+    if allowed is not None:
+        x = mx.where(allowed, x, NEG_INF)
     if kind.greedy:
         best = argmax if argmax is not None and x is raw else mx.argmax(x, axis=-1)
     if kind.sampled:
@@ -200,14 +204,17 @@ class SlotSampler:
         self._suppress: mx.array | None = None
         self._vocab = 0
 
-    def step(self, slots, logits: mx.array, argmax: mx.array) -> tuple[mx.array, StepLogprobs]:
+    def step(self, slots, logits: mx.array, argmax: mx.array,
+             allowed: mx.array | None = None) -> tuple[mx.array, StepLogprobs]:
         """The next token of every slot from the step's ``logits`` ``(B, vocab)`` float32 and their
         ``argmax`` ``(B,)`` uint32; returns ``(tokens (B,) uint32, StepLogprobs)``, lazy (``arrays``: what
-        to evaluate with the tokens). ``slots``: each slot's ``Decoding`` or None."""
+        to evaluate with the tokens). ``slots``: each slot's ``Decoding`` or None; ``allowed``: the slots'
+        structured-output masks (``sample_batch``) or None."""
         self._sync(slots)
-        if self.kind.plain:
+        if self.kind.plain and allowed is None:
             return argmax, StepLogprobs()
-        tokens, self.state, lp = sample_batch(self.kind, logits, self.consts, self.state, self.flags, argmax)
+        tokens, self.state, lp = sample_batch(self.kind, logits, self.consts, self.state, self.flags, argmax,
+                                              allowed)
         ks = tuple(k.logprobs if k is not None else None for k in self.kinds)
         return tokens, StepLogprobs(lp, ks, self.kind.logprobs or ())
 

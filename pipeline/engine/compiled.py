@@ -82,7 +82,9 @@ class ClosureSet:
 
     A step is ``step(token, pos, *consts, *state, *buffers)`` -> ``(next_token, pos + 1, *state,
     *logprobs, *buffers)`` with ``consts`` a ``SamplerConsts``, ``state`` a ``SamplerState`` (each
-    flattened in field order) and ``logprobs`` as in ``pipeline.engine.sampler.sample_step``. ``trace_count`` counts traces (it grows only when a new key is
+    flattened in field order) and ``logprobs`` as in ``pipeline.engine.sampler.sample_step``; with
+    sampler None (a structured-output request, whose mask is known only after the previous token is read)
+    it is the forward alone: ``step(token, pos, *buffers)`` -> ``(logits (1, vocab), pos + 1, *buffers)``. ``trace_count`` counts traces (it grows only when a new key is
     met); ``broken`` holds keys whose compilation failed, with the reason, so they are not retried.
     """
 
@@ -92,22 +94,26 @@ class ClosureSet:
         self.broken: dict[tuple, str] = {}
         self.trace_count = 0
 
-    def get(self, kinds: tuple[LayerKind, ...], sampler: SamplerKind) -> Callable:
+    def get(self, kinds: tuple[LayerKind, ...], sampler: SamplerKind | None) -> Callable:
         key = (kinds, sampler)
         if key not in self.closures:
             self.closures[key] = mx.compile(self._make_step(kinds, sampler))
         return self.closures[key]
 
-    def _make_step(self, kinds: tuple[LayerKind, ...], sampler: SamplerKind):
-        model, nc, ns = self.model, len(SamplerConsts._fields), len(SamplerState._fields)
+    def _make_step(self, kinds: tuple[LayerKind, ...], sampler: SamplerKind | None):
+        model = self.model
+        nc, ns = (0, 0) if sampler is None else (len(SamplerConsts._fields), len(SamplerState._fields))
 
         def step(token, pos, *args):
             self.trace_count += 1  # Python runs only while tracing
-            consts, state, buffers = SamplerConsts(*args[:nc]), SamplerState(*args[nc : nc + ns]), args[nc + ns :]
+            consts, state, buffers = args[:nc], args[nc : nc + ns], args[nc + ns :]
             views = [DecodeView(kind, buffers[2 * i], buffers[2 * i + 1], pos) for i, kind in enumerate(kinds)]
             logits = model(token.reshape(1, 1), views)[:, -1, :]
-            next_token, state, extras = sample_step(sampler, logits, consts, state)
-            out = [next_token, pos + 1, *state, *extras]
+            if sampler is None:
+                out = [logits, pos + 1]
+            else:
+                next_token, state, extras = sample_step(sampler, logits, consts, state)
+                out = [next_token, pos + 1, *state, *extras]
             for view in views:
                 out += [view.keys, view.values]
             return tuple(out)

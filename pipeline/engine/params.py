@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .structured import StructuredOutputsParams
+
 
 @dataclass(frozen=True)
 class GenerateParams:
@@ -30,7 +32,11 @@ class GenerateParams:
             completion.
         skip_special_tokens: leave special tokens out of the completion text.
         logprobs: None for none; k >= 0 returns each generated token's logprob and the k most likely
-            alternatives (of the raw model distribution).
+            alternatives (of the raw model distribution, before any structured-output mask).
+        structured: constrain the completion to a JSON Schema, any JSON object, a regex, a choice or a
+            grammar (``engine.structured``; None: unconstrained). EOS and ``stop_token_ids`` are allowed
+            only where the grammar accepts; a completed value ends with "stop" even before
+            ``min_tokens``; a stop string may still cut the value.
     """
 
     max_tokens: int = 128
@@ -49,6 +55,7 @@ class GenerateParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    structured: StructuredOutputsParams | None = None
 
 
 @dataclass
@@ -61,8 +68,8 @@ class Generation:
             generation cut inside a multi-byte character leaves its bytes out of the text, not out of
             ``token_ids``; ``Tokenizer.decode_complete``), cut at the earliest stop string (None when the
             engine has no tokenizer).
-        finish_reason: "stop" (EOS, a stop token or a stop string) or "length" (``max_tokens`` or the
-            context limit).
+        finish_reason: "stop" (EOS, a stop token, a stop string, or a structured value completed) or
+            "length" (``max_tokens`` or the context limit).
         stop_reason: the matched stop string, the id of the stop token, or None ("length").
         stop_token_id: the EOS / stop token id that ended it, or None.
         prompt_tokens: prompt length in tokens.

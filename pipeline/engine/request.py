@@ -16,6 +16,7 @@ from ..errors import RowError
 from .params import GenerateParams, Generation
 from .sampler import SamplerKind, sample_step, sampler_consts, sampler_state
 from .stops import StopChecker, final_text
+from .structured import Constraint, allowed_tokens
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Decoding:
         kind, consts, state: the sampler's ``SamplerKind``, ``SamplerConsts`` and current
             ``SamplerState`` (set by ``begin``; a decode loop that keeps the state elsewhere, such as
             the compiled step, may leave ``state`` at the first token's).
+        constraint: the request's ``structured.Constraint`` (its grammar's matcher), or None.
         tokens: the ids generated so far (a stop token is not included).
         cached: prompt tokens reused, not computed, by its prefill (set by the loop; ``Engine.prefill_prompt``).
         t0, t_first: ``time.perf_counter()`` at the start of prefill and when the first token was
@@ -56,7 +58,7 @@ class Decoding:
     Raises:
         RowError: ``max_tokens`` < 1, an empty prompt, a prompt that fills the model's context, or (with
             ``capacity``) prompt + ``max_tokens`` over it.
-        ValueError: stop strings with an engine that has no tokenizer.
+        ValueError: stop strings or ``structured`` with an engine that has no tokenizer.
     """
 
     def __init__(self, engine, prompt_ids: list[int], params: GenerateParams, capacity: int | None = None,
@@ -68,8 +70,8 @@ class Decoding:
             raise RowError("prompt has no tokens")
         if n_prompt >= engine.context_length:
             raise RowError(f"prompt has {n_prompt} tokens; the model's context is {engine.context_length}")
-        if params.stop and engine.tokenizer is None:
-            raise ValueError("stop strings need an engine with a tokenizer")
+        if (params.stop or params.structured) and engine.tokenizer is None:
+            raise ValueError("stop strings and structured output need an engine with a tokenizer")
         self.max_tokens = min(params.max_tokens, engine.context_length - n_prompt)
         if capacity is not None and n_prompt + self.max_tokens > capacity:
             raise RowError(f"prompt of {n_prompt} tokens + max_tokens {self.max_tokens} exceeds the batch "
@@ -81,6 +83,8 @@ class Decoding:
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else engine.eos_token_ids)
         self.checker = StopChecker(engine.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens) \
             if params.stop else None
+        self.constraint = Constraint(params.structured, engine.tokenizer, engine.eos_token_ids, self.stop_ids) \
+            if params.structured is not None else None
         self.tokens: list[int] = []
         self.cached = 0
         self.picked: list[tuple] = []  # each recorded token's logprob arrays
@@ -98,15 +102,23 @@ class Decoding:
         self.kind = SamplerKind.of(self.params, self.stop_ids)
         self.consts = sampler_consts(self.params, vocab, self.stop_ids)
         first = sampler_state(self.kind, self.params.seed, self.prompt_ids, vocab)
-        y, self.state, extras = sample_step(self.kind, logits, self.consts, first)
+        y, self.state, extras = sample_step(self.kind, logits, self.consts, first, self.allowed(vocab))
         return y, extras
+
+    def allowed(self, vocab: int) -> mx.array | None:
+        """The tokens the request's grammar allows next, ``(1, vocab)`` bool, or None without a constraint."""
+        return None if self.constraint is None else allowed_tokens(self.constraint.mask(), vocab)
 
     def push(self, tok: int, extras: tuple) -> tuple | None:
         """Record one token read back (``extras``: its logprob arrays); returns ``(finish_reason,
         stop_token_id, stop_reason)`` if the request ends with it, else None.
 
-        A stop id ends it with "stop" and is not recorded; a stop string ends it once ``min_tokens``
-        tokens are generated; the ``max_tokens``-th token ends it with "length".
+        A stop id ends it with "stop" and is not recorded; a token that completes the structured value
+        (the grammar admits no further token) ends it with "stop"; a stop string ends it once
+        ``min_tokens`` tokens are generated; the ``max_tokens``-th token ends it with "length".
+
+        Raises:
+            RowError: the structured-output grammar rejects the token (``Constraint.consume``).
         """
         if self.t_first is None:
             self.t_first = time.perf_counter()
@@ -115,6 +127,10 @@ class Decoding:
         self.tokens.append(tok)
         self.picked.append(extras)
         self.engine.tokens_generated += 1
+        if self.constraint is not None:
+            self.constraint.consume(tok)
+            if self.constraint.stopped:
+                return "stop", None, None
         if self.checker is not None:
             matched = self.checker.push(tok)
             if matched is not None and len(self.tokens) >= self.params.min_tokens:

@@ -6,8 +6,8 @@ Per-row seeds: ``row_seed(job_seed, row_id, sample_index)`` so a row's samples n
 order, sharding, resume, or what ran before in the process.
 
 Order of operations (vLLM ``v1/sample/sampler.py``): logits are upcast to float32; repetition,
-presence and frequency penalties; ``min_tokens`` suppression of stop tokens; greedy takes the argmax
-here. Otherwise the logits are divided by the temperature, then min_p filters on the full
+presence and frequency penalties; ``min_tokens`` suppression of stop tokens; the structured-output mask
+(``engine.structured``: disallowed tokens get -inf); greedy takes the argmax here. Otherwise the logits are divided by the temperature, then min_p filters on the full
 distribution, top_k keeps the k most likely, top_p keeps the smallest set of most likely tokens whose
 renormalized probability reaches top_p, and a token is drawn from what is left. Logprobs are of the
 raw model distribution (vLLM's default ``raw_logprobs``).
@@ -231,7 +231,7 @@ def adjusted_logits(kind, raw: mx.array, consts, state) -> mx.array:
     return x
 
 
-def sample_step(kind: SamplerKind, logits: mx.array, consts, state):
+def sample_step(kind: SamplerKind, logits: mx.array, consts, state, allowed: mx.array | None = None):
     """Pick the next token.
 
     Args:
@@ -239,6 +239,9 @@ def sample_step(kind: SamplerKind, logits: mx.array, consts, state):
         logits: ``(1, vocab)`` model logits (any float dtype; upcast to float32).
         consts: ``SamplerConsts`` (or its arrays in field order) from ``sampler_consts``.
         state: ``SamplerState`` (or its arrays in field order) from ``sampler_state`` or the previous step.
+        allowed: ``(1, vocab)`` bool, the tokens a structured-output grammar allows
+            (``structured.allowed_tokens``): the others get -inf after the penalties, before greedy or the
+            temperature and filters; None: every token.
 
     Returns:
         ``(token, state, logprobs)``: ``token`` ``(1,)`` uint32; the next ``SamplerState``; ``logprobs`` is ()
@@ -249,6 +252,8 @@ def sample_step(kind: SamplerKind, logits: mx.array, consts, state):
     key, seen, counts, n_out = state
     raw = logits.astype(mx.float32)
     x = adjusted_logits(kind, raw, consts, state)
+    if allowed is not None:
+        x = mx.where(allowed, x, NEG_INF)
     if kind.greedy:
         token = mx.argmax(x, axis=-1)
     else:

@@ -227,10 +227,11 @@ class Engine:
             self._logged.add(tag)
             log.warning("decoding eagerly: %s" if kind == "eager" else "%s", reason)
 
-    def _compiled_stepper(self, req: Decoding):
+    def _compiled_stepper(self, req: Decoding, sample: bool = True):
         """``(advance, finish, closure_key)`` running the compiled step, or None (reason logged) if it
-        can't: ``advance(y) -> (next y, logprob arrays)``; ``finish(n_steps)`` hands the buffers back."""
-        n_prompt, kind = req.n_prompt, req.kind
+        can't: ``advance(y) -> (next y, logprob arrays)`` (``sample`` False: ``(logits (1, vocab), ())``,
+        the forward alone); ``finish(n_steps)`` hands the buffers back."""
+        n_prompt, kind = req.n_prompt, req.kind if sample else None
         caps = [layer_capacity(c, n_prompt + req.max_tokens) for c in self.cache]
         kinds = tuple(layer_kind(c, cap) for c, cap in zip(self.cache, caps))
         reason = request_blocker(self.cache, self.closures.broken, (kinds, kind))
@@ -240,15 +241,17 @@ class Engine:
         for c, cap in zip(self.cache, caps):
             c.reserve(cap)
         step = self.closures.get(kinds, kind)
-        n_state, n_extra = len(req.state), 0 if kind.logprobs is None else 3
+        n_state = len(req.state) if sample else 0
+        n_extra = 0 if not sample or kind.logprobs is None else 3
+        consts = req.consts if sample else ()
         live = {
             "pos": mx.array(n_prompt, dtype=mx.int32),
-            "state": tuple(req.state),
+            "state": tuple(req.state) if sample else (),
             "buffers": [head(b, cap) for c, cap in zip(self.cache, caps) for b in (c.keys, c.values)],
         }
 
         def advance(y):
-            out = step(y, live["pos"], *req.consts, *live["state"], *live["buffers"])
+            out = step(y, live["pos"], *consts, *live["state"], *live["buffers"])
             live["pos"], live["state"] = out[1], out[2 : 2 + n_state]
             live["buffers"] = list(out[2 + n_state + n_extra :])
             return out[0], out[2 + n_state : 2 + n_state + n_extra]
@@ -261,23 +264,30 @@ class Engine:
 
         return advance, finish, (kinds, kind)
 
-    def _eager_stepper(self, req: Decoding):
-        """``advance(y) -> (next y, logprob arrays)``: the model called on the caches, then the sampler."""
+    def _eager_stepper(self, req: Decoding, sample: bool = True):
+        """``advance(y) -> (next y, logprob arrays)``: the model called on the caches, then the sampler
+        (``sample`` False: ``(logits (1, vocab), ())``)."""
 
         def advance(y):
-            y_next, req.state, ex = sample_step(req.kind, self.model(y[None], self.cache)[:, -1, :], req.consts, req.state)
+            logits = self.model(y[None], self.cache)[:, -1, :]
+            if not sample:
+                return logits, ()
+            y_next, req.state, ex = sample_step(req.kind, logits, req.consts, req.state)
             return y_next, ex
 
         return advance
 
-    def _fused_stepper(self, req: Decoding):
-        """``advance(y)`` through the fused CUDA step, which writes every cache in place."""
+    def _fused_stepper(self, req: Decoding, sample: bool = True):
+        """``advance(y)`` through the fused CUDA step, which writes every cache in place (``sample`` as
+        ``_eager_stepper``)."""
         self.fused.prepare(self.cache, req.n_prompt + req.max_tokens)
         at = {"pos": mx.array([req.n_prompt], dtype=mx.int32), "n": req.n_prompt}
 
         def advance(y):
             logits = self.fused.step(y, at["pos"], at["n"], self.cache)
             at["pos"], at["n"] = at["pos"] + 1, at["n"] + 1
+            if not sample:
+                return logits, ()
             y_next, req.state, ex = sample_step(req.kind, logits, req.consts, req.state)
             return y_next, ex
 
@@ -288,11 +298,14 @@ class Engine:
 
         Decoding is asynchronous: step ``t + 1`` is queued (``mx.async_eval``) before token ``t`` is
         read back, so the host builds the next graph while the device computes. Sampling runs inside
-        the step (``pipeline.engine.sampler.sample_step``), so one host read per token.
+        the step (``pipeline.engine.sampler.sample_step``), so one host read per token. With
+        ``params.structured`` the step's forward is queued alone; token ``t`` is read, the grammar's mask
+        for ``t + 1`` is computed on the host while the forward runs, then the masked sampling is queued.
 
         Raises:
-            RowError: max_tokens < 1, an empty prompt, a prompt that fills the model's context.
-            ValueError: stop strings without a tokenizer.
+            RowError: max_tokens < 1, an empty prompt, a prompt that fills the model's context, a grammar
+                that does not compile.
+            ValueError: stop strings or structured output without a tokenizer.
         """
         req = Decoding(self, prompt_ids, params)
         mx.reset_peak_memory()
@@ -303,11 +316,12 @@ class Engine:
 
         decodes = req.max_tokens > 1
         fused = self.fused is not None and decodes
+        sample = req.constraint is None  # a constrained request samples outside the step, with its mask
         advance, finish_compiled, probe = None, None, None
         if fused:
-            advance = self._fused_stepper(req)
+            advance = self._fused_stepper(req, sample)
         elif self.compile and decodes:
-            compiled = self._compiled_stepper(req)
+            compiled = self._compiled_stepper(req, sample)
             if compiled is not None:
                 step, finish_compiled, closure_key = compiled
                 try:
@@ -320,7 +334,7 @@ class Engine:
                 else:
                     advance = step
         if advance is None:
-            advance = self._eager_stepper(req)
+            advance = self._eager_stepper(req, sample)
 
         n_steps = 0
         while True:
@@ -334,6 +348,10 @@ class Engine:
             done = req.push(y.item(), extras)
             if done:
                 break
+            if not sample:  # y_next: step t + 1's logits; the mask of token t's successors, made while they ran
+                y_next, req.state, ex_next = sample_step(req.kind, y_next, req.consts, req.state,
+                                                         req.allowed(y_next.shape[-1]))
+                mx.async_eval(y_next, *ex_next)
             y, extras = y_next, ex_next
         if finish_compiled is not None:
             finish_compiled(n_steps)

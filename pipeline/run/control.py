@@ -332,7 +332,7 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
 
     def warm_up(batch) -> None:  # compiles kernels, traces the job's own step: left out of the rows' statistics
         nonlocal t0, tokens0
-        summary.warmup_s = round(lm.warm_up(batch), 3)
+        summary.warmup_s = round(lm.warm_up(batch, structured=job.uses_structured), 3)
         summary.batch_size = 1 if batch is None else batch.B
         store.update_run(warmup_s=summary.warmup_s, batch_size=summary.batch_size)
         say(f"warmed up in {summary.warmup_s:.1f} s")

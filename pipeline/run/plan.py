@@ -15,7 +15,7 @@ from ..engine import GenerateParams
 from ..engine.sampler import row_seed
 from ..errors import RowError
 from ..inputs import InputRow, input_files
-from ..jobspec import GenerationSpec, JobSpec, JobSpecError, with_overrides
+from ..jobspec import GenerationSpec, JobSpec, JobSpecError, structured_from_cell, with_overrides
 from ..loader import LoadedModel, model_identity
 from ..prompts import Prompt, build_prompt
 from ..resolve import resolve_model
@@ -63,6 +63,7 @@ def fingerprint(job: JobSpec, model_id: dict) -> dict:
             "template": inp.template,
             "filter": None if inp.filter is None else [dataclasses.asdict(f) for f in inp.filter],
             "shuffle_seed": inp.shuffle_seed,
+            **({"structured_column": inp.structured_column} if inp.structured_column is not None else {}),
         },
         "generation": job.generation.to_dict(),
         "cache": _cache_settings(job.cache),
@@ -144,10 +145,14 @@ def generate_params(gen: GenerationSpec, seed: int) -> GenerateParams:
 
 
 def row_generation(job: JobSpec, row: InputRow) -> GenerationSpec | str:
-    """The row's generation settings (the job's, with the row's override columns), or why they are
-    invalid (the row then fails with that error)."""
+    """The row's generation settings (the job's, with the row's override columns and its
+    ``input.structured_column`` value), or why they are invalid (the row then fails with that error)."""
     try:
-        return with_overrides(job.generation, row.overrides)
+        gen = with_overrides(job.generation, row.overrides)
+        if row.structured is not None:
+            where = f"input.structured_column {job.input.structured_column!r} of row {row.id!r}"
+            gen = dataclasses.replace(gen, structured=structured_from_cell(row.structured, where))
+        return gen
     except JobSpecError as e:
         return str(e)
 

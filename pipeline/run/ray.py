@@ -153,7 +153,7 @@ class _UnitWorker:
             self.lm = _load(self.job, self.model_path)
 
             def warm_up(batch):  # once per actor, on the path the job decodes on: out of the rows' statistics
-                self.warmup_s = self.lm.warm_up(batch)
+                self.warmup_s = self.lm.warm_up(batch, structured=self.job.uses_structured)
         order = {(row.id, k): i for i, (row, k, _) in enumerate(samples)}
         crash_at = _crash_after(unit, len(samples))
         results = []

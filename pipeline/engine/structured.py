@@ -1,0 +1,235 @@
+"""Structured output: token masks from llguidance (guidance-ai/llguidance) for a JSON Schema, any JSON
+object, a regex, a choice of strings or a Lark grammar.
+
+``StructuredOutputsParams`` names the constraint as vLLM's ``StructuredOutputsParams`` does. Each
+constrained request gets a ``Constraint``: an ``llguidance.LLMatcher`` over the model's tokenizer, which
+consumes every generated token and computes the mask of tokens allowed next (a bitmask, 32 ids per int32
+word, bit ``i % 32`` of word ``i // 32``). The mask goes to the device as that bitmask and is unpacked
+there (``allowed_tokens``) into a ``(rows, vocab)`` bool array that the sampler applies before every
+sampler setting (``sampler.sample_step``, ``batch_sampler.sample_batch``). llguidance computes a mask
+with the GIL released, so it runs while the device computes the step's forward (the decode loops queue
+the forward first, read the previous token, then compute the mask).
+
+EOS and the request's ``stop_token_ids`` are allowed only where the grammar accepts (llguidance sets the
+EOS bits there; the other stop ids copy them). A request whose matcher has stopped (the grammar admits
+no further token) ends with finish_reason "stop" without sampling an EOS.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance
+import llguidance.numpy as llnp
+import mlx.core as mx
+import numpy as np
+
+from ..errors import JobSpecError, RowError
+
+KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint (exactly one field set), vLLM's ``StructuredOutputsParams`` names.
+
+    Attributes:
+        json: a JSON Schema (a mapping), or the path of a ``.json`` file holding one (relative to the
+            working directory; ``check`` reads it and keeps the schema, so the fingerprint holds the
+            schema, not the path).
+        json_object: any JSON object.
+        regex: the completion matches this regular expression (Rust ``regex`` syntax, whole match).
+        choice: the completion is exactly one of these strings.
+        grammar: a Lark grammar (llguidance's dialect; a llama.cpp GBNF grammar is converted).
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def key(self) -> str:
+        """The field that is set ("json", "json_object", "regex", "choice" or "grammar")."""
+        return next(k for k in KEYS if getattr(self, k) not in (None, False))
+
+    def check(self, where: str = "generation.structured") -> None:
+        """Exactly one field set, a schema file read, and the grammar compiled by llguidance (no model
+        needed); ``where`` prefixes the key in messages.
+
+        Raises:
+            JobSpecError: one line naming the key, e.g. "generation.structured.regex: invalid regex ...".
+        """
+        set_ = [k for k in KEYS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            got = ", ".join(set_) if set_ else "none"
+            raise JobSpecError(f"{where}: set exactly one of {', '.join(KEYS)} (got {got})")
+        key = set_[0]
+        if isinstance(self.json, str):
+            path = Path(self.json)
+            try:
+                schema = json.loads(path.read_text(encoding="utf-8"))
+            except OSError as e:
+                raise JobSpecError(f"{where}.json: cannot read schema file {path}: {e.strerror}") from None
+            except ValueError as e:
+                raise JobSpecError(f"{where}.json: schema file {path} is not JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise JobSpecError(f"{where}.json: schema file {path} must hold a JSON object")
+            object.__setattr__(self, "json", schema)
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise JobSpecError(f"{where}.choice must be a non-empty list of non-empty strings")
+        try:
+            problem = llguidance.LLMatcher.validate_grammar(self.lark())
+        except ValueError as e:
+            problem = str(e)
+        if problem:
+            raise JobSpecError(f"{where}.{key}: {one_line(problem)}")
+
+    def lark(self) -> str:
+        """The llguidance grammar (its JSON form, as ``llguidance.grammar_from`` builds it).
+
+        Raises:
+            ValueError: a schema llguidance cannot read (``check`` reports it as a JobSpecError).
+        """
+        if self.json is not None:
+            return llguidance.LLMatcher.grammar_from_json_schema(self.json)
+        if self.json_object:
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        if self.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            return llguidance.grammar_from("choice", list(self.choice))
+        return llguidance.grammar_from("grammar", self.grammar)
+
+
+def one_line(message: str) -> str:
+    """llguidance's error text on one line: its lines joined, the source excerpts and carets left out."""
+    keep = [s.strip() for s in message.splitlines()
+            if s.strip() and not set(s.strip()) <= {"^", " "} and "|" not in s[:8]]
+    return " ".join(keep)
+
+
+@functools.lru_cache(maxsize=8)
+def ll_tokenizer(tokenizer, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """The llguidance tokenizer of a ``pipeline.tokenizer.Tokenizer`` (built from its Hugging Face
+    ``tokenizer.json`` text, the GGUF-built one included; ~0.4 s, so cached per tokenizer), with
+    ``eos_token_ids`` as the ids the grammar allows where it accepts."""
+    return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=tokenizer.vocab_size, eos_token=list(eos_token_ids))
+
+
+@functools.lru_cache(maxsize=64)
+def _fresh_matcher(grammar: str, tok: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+    return llguidance.LLMatcher(tok, grammar, log_level=0)
+
+
+class Constraint:
+    """One request's matcher: the mask of the tokens allowed next, and the tokens generated so far.
+
+    Args:
+        params: the request's ``StructuredOutputsParams``.
+        tokenizer: the engine's ``pipeline.tokenizer.Tokenizer``.
+        eos_token_ids: the engine's EOS ids (allowed where the grammar accepts).
+        stop_ids: the request's ids that end it (``Decoding.stop_ids``); those that are not EOS ids take
+            the EOS bit of every mask.
+
+    Raises:
+        RowError: the grammar does not compile (a per-row value that ``check`` did not see).
+    """
+
+    def __init__(self, params: StructuredOutputsParams, tokenizer, eos_token_ids, stop_ids):
+        tok = ll_tokenizer(tokenizer, tuple(sorted(eos_token_ids)))
+        try:
+            grammar = params.lark()
+        except ValueError as e:
+            raise RowError(f"structured.{params.key}: {one_line(str(e))}") from None
+        fresh = _fresh_matcher(grammar, tok)
+        if fresh.is_error():
+            raise RowError(f"structured.{params.key}: {one_line(fresh.get_error())}")
+        self.matcher = fresh.deep_copy()
+        self.words = (tok.vocab_size + 31) // 32
+        self.eos = tok.eos_tokens[0]
+        self.extra_stops = sorted(i for i in stop_ids if i not in tok.eos_tokens and i < tok.vocab_size)
+
+    def consume(self, token: int) -> None:
+        """Advance the matcher by one generated token.
+
+        Raises:
+            RowError: the grammar rejects it (the mask allowed it only if the matcher is broken) or the
+                matcher met a limit (llguidance's parser limits).
+        """
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
+            raise RowError(f"structured output: {one_line(self.matcher.get_error()) or f'token {token} rejected'}")
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar admits no further token: the value is complete."""
+        return self.matcher.is_stopped()
+
+    def fix_stops(self, row: np.ndarray) -> None:
+        """Give the request's non-EOS stop ids the EOS bit of ``row`` (one mask, ``(words,)`` int32)."""
+        if not self.extra_stops:
+            return
+        bits = row.view(np.uint32)
+        ok = (bits[self.eos // 32] >> np.uint32(self.eos % 32)) & np.uint32(1)
+        for i in self.extra_stops:
+            one = np.uint32(1 << (i % 32))
+            bits[i // 32] = bits[i // 32] | one if ok else bits[i // 32] & ~one
+
+    def mask(self) -> np.ndarray:
+        """The bitmask of the tokens allowed next, ``(1, words)`` int32 (computed with the GIL released)."""
+        out = np.empty((1, self.words), dtype=np.int32)
+        llnp.fill_next_token_bitmask(self.matcher, out)
+        self.fix_stops(out[0])
+        return out
+
+
+class SlotMasks:
+    """The masks of every slot of a batch, computed together by llguidance's thread pool.
+
+    Args:
+        B: slots.
+    """
+
+    def __init__(self, B: int):
+        self.B = B
+        self.executor: llguidance.LLExecutor | None = None
+        self.bitmask: np.ndarray | None = None
+
+    def allowed(self, slots, vocab: int) -> mx.array | None:
+        """``(B, vocab)`` bool of the tokens each slot may take next (every token for a slot without a
+        constraint), or None when no slot has one (unconstrained batches pay nothing). ``slots``: each
+        slot's ``Decoding`` or None."""
+        rows = [(d.constraint, b) for b, d in enumerate(slots) if d is not None and d.constraint is not None]
+        if not rows:
+            return None
+        words = rows[0][0].words
+        if self.bitmask is None or self.bitmask.shape[1] != words:
+            self.bitmask = np.empty((self.B, words), dtype=np.int32)
+            self.executor = llguidance.LLExecutor()
+        self.bitmask.fill(-1)
+        llnp.fill_next_token_bitmask_par(self.executor, [(c.matcher, b) for c, b in rows], self.bitmask)
+        for c, b in rows:
+            c.fix_stops(self.bitmask[b])
+        return allowed_tokens(self.bitmask, vocab)
+
+
+_BIT = mx.arange(32, dtype=mx.uint32)
+
+
+def allowed_tokens(bitmask: np.ndarray, vocab: int) -> mx.array:
+    """A llguidance bitmask ``(rows, words)`` int32 unpacked on the device: ``(rows, vocab)`` bool, True
+    where a token is allowed (ids past ``32 * words``, logits beyond the tokenizer's vocabulary: False)."""
+    words = mx.array(bitmask.view(np.uint32))
+    bits = ((words[:, :, None] >> _BIT) & 1).reshape(bitmask.shape[0], -1).astype(mx.bool_)
+    n = bits.shape[1]
+    if n >= vocab:
+        return bits[:, :vocab]
+    return mx.concatenate([bits, mx.zeros((bits.shape[0], vocab - n), mx.bool_)], axis=1)

@@ -1,0 +1,379 @@
+"""Structured output (``generation.structured``, ``pipeline.engine.structured``): on the real default model,
+20 JSON schemas of increasing difficulty whose finished completions parse and validate with ``jsonschema``
+(a validator no one here wrote), greedy output identical in sequential and batched decoding, a grammar or
+choice of one string yielding exactly it, a regex; with a tiny random model (whose unmasked output is
+noise, so only the mask can make it obey), every sampler setting, n, stop strings, min_tokens, logprobs,
+the per-row column, bad values, resume and the fingerprint."""
+
+import pipeline  # noqa: F401  (loads OpenBLAS before mlx.core, as in real runs)
+
+import json
+import re
+
+import jsonschema
+import pytest
+import yaml
+
+from test_job_end_to_end import read_output, run_cli
+from tiny_model import write_prompts, write_tiny_model
+
+from pipeline.engine import BatchEngine, GenerateParams, Request
+from pipeline.engine.structured import StructuredOutputsParams
+from pipeline.errors import JobSpecError, RowError
+from pipeline.jobspec import job_from_dict
+from pipeline.run import run_job
+from pipeline.shards import OutputError
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+# (what the prompt asks for, schema), simplest first.
+SCHEMAS = [
+    ("a yes or no answer", {"type": "boolean"}),
+    ("a number of legs of a dog", {"type": "integer", "minimum": 0, "maximum": 10}),
+    ("the name of a color", {"type": "string", "maxLength": 12}),
+    ("a color", {"enum": ["red", "green", "blue"]}),
+    ("a person", PERSON),
+    ("a city", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                 "population": {"type": "integer", "minimum": 0}},
+                "required": ["city"], "additionalProperties": False}),
+    ("a temperature", {"type": "object", "properties": {"celsius": {"type": "number", "minimum": -50, "maximum": 60}},
+                       "required": ["celsius"], "additionalProperties": False}),
+    ("three fruits", {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 3, "maxItems": 3}),
+    ("one to two hobbies", {"type": "array", "items": {"enum": ["chess", "music", "sport"]}, "minItems": 1,
+                            "maxItems": 2}),
+    ("a phone number", {"type": "object", "properties": {"phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}},
+                        "required": ["phone"], "additionalProperties": False}),
+    ("a date", {"type": "object", "properties": {"date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}},
+                "required": ["date"], "additionalProperties": False}),
+    ("a product", {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                                    "price": {"type": "number", "exclusiveMinimum": 0, "maximum": 1000},
+                                                    "in_stock": {"type": "boolean"}},
+                   "required": ["name", "price", "in_stock"], "additionalProperties": False}),
+    ("a book with an optional subtitle", {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 20}, "subtitle": {"type": "string", "maxLength": 20}},
+        "required": ["title"], "additionalProperties": False}),
+    ("a person with an address", {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "address": {"type": "object", "properties": {"street": {"type": "string", "maxLength": 20},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["street", "zip"], "additionalProperties": False}},
+        "required": ["name", "address"], "additionalProperties": False}),
+    ("a team of two people", {"type": "object", "properties": {
+        "team": {"type": "array", "items": PERSON, "minItems": 2, "maxItems": 2}},
+        "required": ["team"], "additionalProperties": False}),
+    ("a task with a priority", {"type": "object", "properties": {
+        "task": {"type": "string", "maxLength": 20}, "priority": {"enum": ["low", "medium", "high"]},
+        "done": {"type": "boolean"}}, "required": ["task", "priority", "done"], "additionalProperties": False}),
+    ("a point", {"$defs": {"coord": {"type": "integer", "minimum": -100, "maximum": 100}},
+                 "type": "object", "properties": {"x": {"$ref": "#/$defs/coord"}, "y": {"$ref": "#/$defs/coord"}},
+                 "required": ["x", "y"], "additionalProperties": False}),
+    ("a line between two points", {"$defs": {"point": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 9}, "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["x", "y"], "additionalProperties": False}},
+        "type": "object", "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+        "required": ["start", "end"], "additionalProperties": False}),
+    ("an answer or an error", {"anyOf": [
+        {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+         "additionalProperties": False},
+        {"type": "object", "properties": {"error": {"type": "string", "maxLength": 20}}, "required": ["error"],
+         "additionalProperties": False}]}),
+    ("a tree of two levels", {"$defs": {"node": {"type": "object", "properties": {
+        "label": {"type": "string", "maxLength": 8},
+        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
+        "required": ["label"], "additionalProperties": False}}, "$ref": "#/$defs/node"}),
+]
+MAX_TOKENS = 48
+COMPACT = {"whitespace_flexible": False}  # llguidance's x-guidance option: no free whitespace (shorter values)
+
+
+def _prompt(lm, text):
+    return lm.tokenizer.encode(lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Reply with JSON only: {text}."}]))
+
+
+def _requests(lm):
+    return [Request(i, _prompt(lm, what), GenerateParams(
+        max_tokens=MAX_TOKENS, structured=StructuredOutputsParams(json={**schema, "x-guidance": COMPACT})))
+        for i, (what, schema) in enumerate(SCHEMAS)]
+
+
+@pytest.fixture(scope="module")
+def schema_runs(default_model):
+    lm = default_model
+    reqs = _requests(lm)
+    seq = {r.tag: lm.engine.generate(r.prompt_ids, r.params) for r in reqs}
+    bat = dict(BatchEngine(lm.engine, 4, 256).run(reqs))
+    return seq, bat
+
+
+def test_finished_completions_parse_and_validate(schema_runs):
+    seq, _ = schema_runs
+    stopped = [i for i, g in seq.items() if g.finish_reason == "stop"]
+    for i in stopped:
+        jsonschema.validate(json.loads(seq[i].text), SCHEMAS[i][1])
+    for i, g in seq.items():
+        assert g.finish_reason in ("stop", "length")
+        if g.finish_reason == "length":
+            assert len(g.token_ids) == MAX_TOKENS
+    print(f"{len(stopped)}/{len(SCHEMAS)} finished within {MAX_TOKENS} tokens")
+    assert len(stopped) >= 15
+
+
+def test_greedy_structured_output_is_the_same_batched(schema_runs):
+    seq, bat = schema_runs
+    assert bat.keys() == seq.keys()
+    for i in seq:
+        assert bat[i].token_ids == seq[i].token_ids, (i, seq[i].text, bat[i].text)
+        assert bat[i].finish_reason == seq[i].finish_reason
+
+
+@pytest.mark.parametrize("structured", [StructuredOutputsParams(choice=("Paris, France",)),
+                                        StructuredOutputsParams(grammar='start: "The answer is 42."')])
+def test_a_grammar_of_one_string_yields_exactly_it(default_model, structured):
+    lm = default_model
+    prompt = _prompt(lm, "say anything")
+    for params in (GenerateParams(max_tokens=20, structured=structured),
+                   GenerateParams(max_tokens=20, temperature=1.0, seed=5, structured=structured)):
+        seq = lm.engine.generate(prompt, params)
+        (_, bat), = BatchEngine(lm.engine, 2, 256).run([Request(0, prompt, params)])
+        expected = structured.choice[0] if structured.choice else "The answer is 42."
+        for g in (seq, bat):
+            assert (g.text, g.finish_reason) == (expected, "stop")
+
+
+def test_regex_on_the_real_model(default_model):
+    lm = default_model
+    params = GenerateParams(max_tokens=16, structured=StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"))
+    g = lm.engine.generate(_prompt(lm, "a phone number"), params)
+    assert g.finish_reason == "stop" and re.fullmatch(r"[0-9]{3}-[0-9]{4}", g.text)
+
+
+# --- every sampler setting, on a tiny random model --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from pipeline import load_model
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    return load_model(path=write_tiny_model(tmp / "tiny"))
+
+
+SETTINGS = [dict(), dict(temperature=1.0), dict(temperature=0.9, top_p=0.8), dict(temperature=1.2, top_k=5),
+            dict(temperature=1.0, min_p=0.1), dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5),
+            dict(temperature=1.0, repetition_penalty=1.2), dict(min_tokens=3), dict(logprobs=2, temperature=1.0)]
+WORD = r"(cat|dog|bird)( (cat|dog|bird)){1,3}"
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(s) or "greedy")
+def test_every_sampler_setting_obeys_the_mask(tiny, settings):
+    """The random model's own choice would almost never be in the grammar: only the mask makes it obey. Each
+    sample is checked in sequential and batched decoding (3 slots, with an unconstrained neighbour)."""
+    eng = tiny.engine
+    structured = StructuredOutputsParams(regex=WORD)
+    reqs = [Request(k, eng.tokenizer.encode(f"prompt {k}"), GenerateParams(max_tokens=24, seed=k, structured=structured,
+                                                                          **settings)) for k in range(4)]
+    free = Request("free", eng.tokenizer.encode("free"), GenerateParams(max_tokens=24, **settings))
+    seq = {r.tag: eng.generate(r.prompt_ids, r.params) for r in reqs}
+    bat = dict(BatchEngine(eng, 3, 256).run(reqs + [free]))
+    for g in [*seq.values(), *(bat[r.tag] for r in reqs)]:
+        assert g.finish_reason == "stop" and re.fullmatch(WORD, g.text), g.text
+        if "logprobs" in settings:
+            assert len(g.logprobs) == len(g.token_ids) and all(len(t) == 2 for t in g.top_token_ids)
+
+
+def test_eos_only_where_the_grammar_accepts_and_length_when_cut(tiny):
+    eng = tiny.engine
+    cut = eng.generate(eng.tokenizer.encode("x"), GenerateParams(
+        max_tokens=3, structured=StructuredOutputsParams(regex="[a-z]{60}")))
+    assert cut.finish_reason == "length" and re.fullmatch("[a-z]+", cut.text) and len(cut.token_ids) == 3
+    whole = eng.generate(eng.tokenizer.encode("x"), GenerateParams(
+        max_tokens=12, temperature=1.0, structured=StructuredOutputsParams(regex="[a-z]{6}")))
+    assert whole.finish_reason == "stop" and re.fullmatch("[a-z]{6}", whole.text)
+
+
+def test_a_stop_string_cuts_a_structured_value(tiny):
+    eng = tiny.engine
+    g = eng.generate(eng.tokenizer.encode("x"), GenerateParams(
+        max_tokens=12, stop=[" "], structured=StructuredOutputsParams(choice=("cat dog bird",))))
+    assert (g.text, g.finish_reason, g.stop_reason) == ("cat", "stop", " ")
+
+
+def test_structured_output_needs_a_tokenizer_and_a_compiling_grammar(tiny):
+    from pipeline.engine import Engine
+
+    bare = Engine(tiny.engine.model, tiny.engine.eos_token_ids, tiny.engine.context_length)
+    with pytest.raises(ValueError, match="tokenizer"):
+        bare.generate([1, 2], GenerateParams(structured=StructuredOutputsParams(regex="a")))
+    with pytest.raises(RowError, match=r"structured\.regex"):
+        tiny.engine.generate([1, 2], GenerateParams(structured=StructuredOutputsParams(regex="a(")))
+
+
+# --- the job key ------------------------------------------------------------------------------------------
+
+
+def _job(structured=None, **inp):
+    return {"input": {"path": "in.parquet", **inp}, "output": {"dir": "out"},
+            "generation": {} if structured is None else {"structured": structured}}
+
+
+@pytest.mark.parametrize("structured, message", [
+    ({"json": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}, "generation.structured.json: "),
+    ({"json": {"type": "string", "pattern": "a("}}, "generation.structured.json: "),
+    ({"regex": "[0-9"}, "generation.structured.regex: "),
+    ({"grammar": "start: foo ("}, "generation.structured.grammar: "),
+    ({"choice": []}, "generation.structured.choice must be a non-empty list"),
+    ({"regex": "a", "choice": ["a"]}, "set exactly one of json, json_object, regex, choice, grammar"),
+    ({}, "set exactly one of"),
+    ({"json": "no/such/schema.json"}, "generation.structured.json: cannot read schema file"),
+    ({"regexp": "a"}, "unknown key 'generation.structured.regexp' (did you mean 'regex'?)"),
+])
+def test_an_invalid_job_key_is_one_line_naming_it(structured, message):
+    with pytest.raises(JobSpecError) as e:
+        job_from_dict(_job(structured))
+    assert all("\n" not in p for p in e.value.problems)
+    assert message in e.value.problems[0]
+    assert len(e.value.problems) == (2 if "unknown key" in message else 1)  # + "set exactly one" for a typo
+
+
+def test_the_cli_refuses_an_invalid_key_before_loading_the_model(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(_job({"regex": "(unclosed"})), encoding="utf-8")
+    for cmd in ("validate", "run"):
+        proc = run_cli(cmd, str(job), expect=2)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "generation.structured.regex" in lines[0]
+        assert "loading" not in proc.stderr
+
+
+def test_a_schema_file_is_read_into_the_fingerprint(tmp_path, monkeypatch):
+    from pipeline.run.plan import fingerprint
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "person.json").write_text(json.dumps(PERSON), encoding="utf-8")
+    by_path = job_from_dict(_job({"json": "person.json"}))
+    inline = job_from_dict(_job({"json": PERSON}))
+    assert by_path.generation.structured.json == PERSON
+    assert fingerprint(by_path, {}) == fingerprint(inline, {})
+    assert fingerprint(inline, {})["generation"]["structured"] == {"json": PERSON}
+    other = job_from_dict(_job({"json": {**PERSON, "required": ["name"]}}))
+    assert fingerprint(other, {}) != fingerprint(inline, {})
+    plain = fingerprint(job_from_dict(_job()), {})
+    assert "structured" not in plain["generation"] and "structured_column" not in plain["prompt"]
+
+
+# --- jobs: the per-row column, resume -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_job_files(tmp_path_factory):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp = tmp_path_factory.mktemp("jobs")
+    model = write_tiny_model(tmp / "tiny")
+    formats = [json.dumps({"regex": "[0-9]{4}"}), None, json.dumps({"choice": ["alpha", "beta"]}),
+               "{not json", json.dumps({"regex": "[0-9"}), json.dumps({"json": {"enum": ["x", "y"]}})]
+    pq.write_table(pa.table({"id": [f"r{i}" for i in range(6)], "prompt": [f"row {i}" for i in range(6)],
+                             "format": formats}), tmp / "in.parquet")
+    write_prompts(tmp / "plain.parquet", 6)
+    return tmp, model
+
+
+def _tiny_job(tmp, model, out, **extra):
+    job = {"model": str(model), "input": {"path": str(tmp / "in.parquet"), "id_column": "id",
+                                          "structured_column": "format"},
+           "generation": {"max_tokens": 8, "structured": {"regex": "[a-z]{3}"}},
+           "output": {"dir": str(tmp / out), "shard_size": 2}}
+    for section, values in extra.items():
+        job[section] = {**job.get(section, {}), **values}
+    return job_from_dict(job)
+
+
+def test_the_per_row_column(tiny_job_files):
+    tmp, model = tiny_job_files
+    run_job(_tiny_job(tmp, model, "rows"), progress=False, echo=lambda *a: None)
+    rows = {r["id"]: r for r in read_output(tmp / "rows").to_pylist()}
+    assert re.fullmatch("[0-9]{4}", rows["r0"]["completion"]) and rows["r0"]["finish_reason"] == "stop"
+    assert re.fullmatch("[a-z]{3}", rows["r1"]["completion"])  # null: the job's own constraint
+    assert rows["r2"]["completion"] in ("alpha", "beta")
+    assert rows["r5"]["completion"] in ('"x"', '"y"')
+    for rid, why in (("r3", "is not JSON"), ("r4", "regex")):
+        err = rows[rid]["error"]
+        assert rows[rid]["completion"] is None and "\n" not in err
+        assert err.startswith(f"input.structured_column 'format' of row '{rid}'") and why in err
+
+
+def test_resume_continues_and_a_changed_schema_is_refused(tiny_job_files):
+    tmp, model = tiny_job_files
+    job = _tiny_job(tmp, model, "resume", input={"path": str(tmp / "plain.parquet"), "structured_column": None})
+    whole = _tiny_job(tmp, model, "whole", input={"path": str(tmp / "plain.parquet"), "structured_column": None})
+    quiet = dict(progress=False, echo=lambda *a: None)
+    run_job(job, limit=3, **quiet)
+    first = read_output(tmp / "resume").to_pylist()
+    run_job(job, **quiet)
+    run_job(whole, **quiet)
+    resumed = {r["id"]: r["completion"] for r in read_output(tmp / "resume").to_pylist()}
+    assert resumed == {r["id"]: r["completion"] for r in read_output(tmp / "whole").to_pylist()}
+    assert len(resumed) == 6 and all(re.fullmatch("[a-z]{3}", c) for c in resumed.values())
+    assert all(resumed[r["id"]] == r["completion"] for r in first)
+    changed = _tiny_job(tmp, model, "resume", input={"path": str(tmp / "plain.parquet"), "structured_column": None},
+                        generation={"structured": {"regex": "[a-z]{4}"}})
+    with pytest.raises(OutputError, match="structured"):
+        run_job(changed, **quiet)
+
+
+def test_n_samples_and_seeds(tiny_job_files):
+    tmp, model = tiny_job_files
+    job = _tiny_job(tmp, model, "n", input={"path": str(tmp / "plain.parquet"), "structured_column": None},
+                    generation={"n": 3, "temperature": 1.0, "seed": 7})
+    run_job(job, progress=False, echo=lambda *a: None)
+    rows = read_output(tmp / "n").to_pylist()
+    assert len(rows) == 18 and all(re.fullmatch("[a-z]{3}", r["completion"]) for r in rows)
+    assert len({r["completion"] for r in rows}) > 6  # samples differ: each has its own seed
+
+
+PET = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "legs": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9},
+                                        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+       "required": ["pet", "legs"], "additionalProperties": False, "x-guidance": COMPACT}
+
+
+def test_export_json_fields_keeps_every_row(tiny_job_files, tmp_path):
+    """Rows whose completion is a JSON object get its fields as columns (the schema's, in its order); a failed
+    row, a completion that is not an object, keep their row with null fields and a json_error."""
+    import pyarrow.parquet as pq
+
+    tmp, model = tiny_job_files
+    run_job(_tiny_job(tmp, model, "export", generation={"max_tokens": 24, "structured": {"json": PET}}),
+            progress=False, echo=lambda *a: None)
+    run_cli("export", str(tmp / "export"), "--to", str(tmp_path / "flat.parquet"), "--json-fields")
+    table = pq.read_table(tmp_path / "flat.parquet")
+    assert table.num_rows == 6 and table.column_names[-4:] == ["pet", "legs", "tags", "json_error"]
+    assert str(table.schema.field("legs").type) == "int64" and str(table.schema.field("tags").type) == "string"
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert rows["r2"]["json_error"].startswith("not JSON: ") and rows["r2"]["pet"] is None  # choice alpha / beta
+    assert rows["r5"]["json_error"] == "not a JSON object: str" and rows["r5"]["legs"] is None  # enum "x" / "y"
+    assert rows["r3"]["json_error"] == "no completion" and rows["r3"]["error"] is not None
+    parsed = [r for r in rows.values() if r["json_error"] is None]
+    assert parsed and all(r["finish_reason"] == "stop" for r in parsed)
+    for r in parsed:
+        value = json.loads(r["completion"])
+        jsonschema.validate(value, PET)
+        assert (r["pet"], r["legs"]) == (value["pet"], value["legs"])
+        assert r["tags"] == (json.dumps(value["tags"]) if "tags" in value else None)
+
+
+def test_warm_up_traces_the_constrained_step(tmp_path):
+    """A structured job's warm-up traces the forward-only step its constrained rows decode with (compiled
+    where the machine compiles), so the first row traces nothing."""
+    from pipeline import load_model
+
+    lm = load_model(path=write_tiny_model(tmp_path / "tiny"))
+    lm.warm_up(structured=True)
+    traces = lm.engine.trace_count
+    g = lm.engine.generate([1, 2, 3], GenerateParams(max_tokens=6, structured=StructuredOutputsParams(regex="[a-z]+")))
+    assert lm.engine.trace_count == traces
+    assert g.compiled == lm.engine.compile
