@@ -6,11 +6,8 @@
 // the stable descending sort's (larger value first, ties by lower id); a filter's cut is found by radix
 // selection, 4 bits per pass (16 counters per thread in registers, block-reduced), over the order-preserving
 // uint32 key of x and, where the cut splits tokens of equal value, over their ids; it counts tokens (top_k)
-// or sums kept mass (top_p). $filters: 0 skips the filters (every token kept). The draw is the first id whose
-// running kept mass passes the row's target: each warp sums one segment of ids, the segment holding the target
-// is split among the block's threads, and a block scan finds the one that walks its ids. Full-row passes
-// read float4s when $vocab is a multiple of 4 (rows are then 16-byte aligned), lanes on consecutive ids.
-// Filled in by pipeline/engine/cuda/sample.py.
+// or sums kept mass (top_p). $filters: 0 skips the filters (every token kept). Filled in by
+// pipeline/engine/cuda/sample.py.
 //@ header
 #define PL_FULL 0xffffffffu
 #define PL_NEG_INF __int_as_float(0xff800000)
@@ -35,14 +32,10 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
   return v;
 }
 //@ body
-  constexpr int V = $vocab, NT = $threads, NW = NT / 32, IBITS = 20;
-  static_assert(NW <= 32, "one warp scans the segment sums");
-  constexpr bool VEC = V % 4 == 0;  // rows are 16-byte aligned: float4 loads
-  // the draw's segments: one per warp (a multiple of 128 ids), then PER ids per thread within one
-  constexpr int SEG = (((V + NW - 1) / NW) + 127) / 128 * 128, PER = (SEG + NT - 1) / NT;
+
+  constexpr int V = $vocab, NT = $threads, NW = NT / 32, CH = (V + NT - 1) / NT, IBITS = 20;
   static_assert(V <= (1 << IBITS), "vocabulary too large for the index passes");
   __shared__ long long red[NW * 16];
-  __shared__ long long segs[NW];
   __shared__ float redf[NW];
   __shared__ unsigned int s_prefix;
   __shared__ long long s_base, s_bin;
@@ -50,29 +43,9 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
   const int b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const float* row = x + static_cast<size_t>(b) * V;
 
-  // f(value, id) for every id of the row this thread visits (coalesced: float4 j = t, t + NT, ... when VEC)
-  auto each = [&](auto&& f) {
-    if (VEC) {
-      const float4* r4 = reinterpret_cast<const float4*>(row);
-      for (int j = t; j < V / 4; j += NT) {
-        const float4 v = r4[j];
-        f(v.x, 4 * j);
-        f(v.y, 4 * j + 1);
-        f(v.z, 4 * j + 2);
-        f(v.w, 4 * j + 3);
-      }
-    } else {
-      for (int i = t; i < V; i += NT) f(row[i], i);
-    }
-  };
-  // the same one id per load: the radix passes, whose 16 64-bit counters leave no registers for four ids
-  auto each1 = [&](auto&& f) {
-    for (int i = t; i < V; i += NT) f(row[i], i);
-  };
-
   // the row's max
   float mval = PL_NEG_INF;
-  each([&](float xv, int) { mval = fmaxf(mval, xv); });
+  for (int i = t; i < V; i += NT) mval = fmaxf(mval, row[i]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mval = fmaxf(mval, __shfl_xor_sync(PL_FULL, mval, o));
   if (lane == 0) redf[warp] = mval;
@@ -148,14 +121,15 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
       long long c[16];
 #pragma unroll
       for (int j = 0; j < 16; ++j) c[j] = 0;
-      each1([&](float xv, int i) {
+      for (int i = t; i < V; i += NT) {
+        const float xv = row[i];
         const unsigned int key = pl_key(xv);
-        if ((key & hi_mask) != prefix) return;
+        if ((key & hi_mask) != prefix) continue;
         const long long a = amount(xv, key, i);
         const int d = (key >> shift) & 15;
 #pragma unroll
         for (int j = 0; j < 16; ++j) c[j] += (d == j) ? a : 0;
-      });
+      }
       if (!pick(c, target, true, prefix, shift, base)) return false;
       group = s_bin;
     }
@@ -164,7 +138,7 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
     const long long need = target - base;  // 0 < need <= group: the amount wanted from the tokens of value K
     if (need == group) return true;
     int n = 0;
-    each([&](float xv, int) { n += pl_key(xv) == prefix; });
+    for (int i = t; i < V; i += NT) n += pl_key(row[i]) == prefix;
     for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(PL_FULL, n, o);
     if (lane == 0) red[warp] = n;
     __syncthreads();
@@ -180,14 +154,15 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
       long long c[16];
 #pragma unroll
       for (int j = 0; j < 16; ++j) c[j] = 0;
-      each1([&](float xv, int i) {
+      for (int i = t; i < V; i += NT) {
+        const float xv = row[i];
         const unsigned int key = pl_key(xv);
-        if (key != prefix || (static_cast<unsigned int>(i) & hi_mask) != ip) return;
+        if (key != prefix || (static_cast<unsigned int>(i) & hi_mask) != ip) continue;
         const long long a = amount(xv, key, i);
         const int d = (i >> shift) & 15;
 #pragma unroll
         for (int j = 0; j < 16; ++j) c[j] += (d == j) ? a : 0;
-      });
+      }
       pick(c, need, false, ip, shift, ibase);
     }
     I_out = static_cast<int>(ip);
@@ -198,10 +173,11 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
     if (top_k < V) k_on = select(false, static_cast<long long>(top_k < 1 ? 1 : top_k), kK, kI);
     if (frac < 16777216ll) {
       long long z = 0;
-      each([&](float xv, int i) {
+      for (int i = t; i < V; i += NT) {
+        const float xv = row[i];
         const float w = weight(xv);
         if (first_kept(xv, pl_key(xv), i, w)) z += mass_of(w);
-      });
+      }
       z = pl_warp_sum64(z);
       if (lane == 0) red[warp] = z;
       __syncthreads();
@@ -212,46 +188,17 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
     }
   }
 
-  // The draw: the first id whose running kept mass (in id order) passes target. Each warp sums one segment of
-  // SEG ids (lanes read consecutive ids); the segment holding target is then split among the block's threads,
-  // PER consecutive ids each, and a block scan finds the thread, which walks its ids.
-  auto kept = [&](float xv, int i) -> long long {
+  // the draw: each thread sums a contiguous chunk of kept mass; a block scan finds the chunk holding the target
+  auto kept_mass = [&](int i) -> long long {
+    const float xv = row[i];
     const float w = weight(xv);
     const unsigned int key = pl_key(xv);
     const bool keep = !$filters || (first_kept(xv, key, i, w) && (!p_on || at_or_above(key, i, pK, pI)));
     return keep ? mass_of(w) : 0;
   };
-  {
-    const int lo = warp * SEG, hi = min(V, lo + SEG);
-    long long s = 0;
-    if (VEC) {
-      const float4* r4 = reinterpret_cast<const float4*>(row);
-      for (int i = lo + 4 * lane; i < hi; i += 128) {
-        const float4 v = r4[i / 4];
-        s += kept(v.x, i) + kept(v.y, i + 1) + kept(v.z, i + 2) + kept(v.w, i + 3);
-      }
-    } else {
-      for (int i = lo + lane; i < hi; i += 32) s += kept(row[i], i);
-    }
-    s = pl_warp_sum64(s);
-    if (lane == 0) segs[warp] = s;
-  }
-  __syncthreads();
-  // every warp scans the segment sums: the first segment whose running sum passes target holds the token
-  const long long mine = lane < NW ? segs[lane] : 0;
-  long long run_seg = mine;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const long long v = __shfl_up_sync(PL_FULL, run_seg, o);
-    if (lane >= o) run_seg += v;
-  }
-  const long long total = __shfl_sync(PL_FULL, run_seg, 31);
-  const long long target = pl_scale(total, static_cast<long long>(u[b] * 16777216.0f));
-  const int g = __ffs(__ballot_sync(PL_FULL, run_seg > target)) - 1;  // target < total: some lane passes it
-  long long before = __shfl_sync(PL_FULL, run_seg - mine, g);
-  const int lo = g * SEG + t * PER, hi = min(min(V, (g + 1) * SEG), lo + PER);
+  const int lo = t * CH, hi = min(V, lo + CH);
   long long s = 0;
-  for (int i = lo; i < hi; ++i) s += kept(row[i], i);
+  for (int i = lo; i < hi; ++i) s += kept_mass(i);
   long long incl = s;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
@@ -261,12 +208,17 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
   if (t == 0) token[b] = 0u;
   if (lane == 31) red[warp] = incl;
   __syncthreads();
-  for (int w = 0; w < warp; ++w) before += red[w];
+  long long before = 0, total = 0;
+  for (int w = 0; w < NW; ++w) {
+    if (w < warp) before += red[w];
+    total += red[w];
+  }
   const long long excl = before + incl - s;
+  const long long target = pl_scale(total, static_cast<long long>(u[b] * 16777216.0f));
   if (excl <= target && target < excl + s) {
     long long run = excl;
     for (int i = lo; i < hi; ++i) {
-      run += kept(row[i], i);
+      run += kept_mass(i);
       if (run > target) { token[b] = static_cast<unsigned int>(i); break; }
     }
   }
