@@ -83,6 +83,9 @@ def write_job(path: Path, model: Path, prompts: Path, out: Path, **extra) -> Pat
         "input": {"path": str(prompts), "id_column": "id"},
         "generation": {"max_tokens": 12, "temperature": 0.8, "seed": 5},
         "output": {"dir": str(out), "shard_size": 4},
+        # prefix caching off: with it, prompts are prefilled in one-block chunks and no forward is long
+        # enough to fail
+        "cache": {"prefix_cache_gb": 0},
         **extra,
     }
     path.write_text(yaml.safe_dump(job), encoding="utf-8")

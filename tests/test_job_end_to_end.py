@@ -73,7 +73,7 @@ def test_output_schema_is_explicit_and_flat(full_run):
     expected = {
         "id": pa.string(), "sample_index": pa.int32(), "prompt": pa.string(), "completion": pa.string(),
         "finish_reason": pa.string(), "stop_reason": pa.string(), "stop_token_id": pa.int64(),
-        "prompt_tokens": pa.int32(), "completion_tokens": pa.int32(),
+        "prompt_tokens": pa.int32(), "cached_prompt_tokens": pa.int32(), "completion_tokens": pa.int32(),
         "ttft_s": pa.float64(), "prefill_tps": pa.float64(), "decode_tps": pa.float64(), "total_s": pa.float64(),
         "peak_memory_bytes": pa.int64(), "compiled": pa.bool_(), "seed": pa.int64(), "error": pa.string(),
         "logprobs": pa.list_(pa.float32()), "top_token_ids": pa.list_(pa.list_(pa.int32())),

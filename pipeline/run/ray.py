@@ -124,15 +124,16 @@ class _UnitWorker:
         """Run the units of ``batch`` (one, with ``batch_size=1``); returns one record per unit. An
         exception is returned in the record's ``error`` column (pickled) for the driver to raise as
         itself: Ray Data would pass on only its text. A dying actor returns nothing; Ray reruns its unit."""
-        out = {k: [] for k in ("unit", "entry", "failed", "tokens", "seconds", "worker", "closures", "warmup_s",
-                               "error")}
+        out = {k: [] for k in ("unit", "entry", "failed", "tokens", "prompt_tokens", "cached_prompt_tokens", "seconds",
+                               "worker", "closures", "warmup_s", "error")}
         for unit, payload in zip(batch["unit"], batch["samples"]):
             unit = str(unit)
             try:
                 rec = self._run(unit, pickle.loads(payload))
                 error = b""
             except Exception as e:  # noqa: BLE001 (any error stops the run, raised by the driver)
-                rec = {"entry": "", "failed": 0, "tokens": 0, "seconds": 0.0, "closures": 0, "warmup_s": 0.0}
+                rec = {"entry": "", "failed": 0, "tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "seconds": 0.0,
+                       "closures": 0, "warmup_s": 0.0}
                 error = _pickled(e)
             for k, v in {**rec, "unit": unit, "worker": self.name, "error": error}.items():
                 out[k].append(v)
