@@ -497,9 +497,6 @@ class BatchEngine:
             mx.async_eval(nxt, pos, *self.buffers, *sampling.arrays(), *extras.arrays)
             return nxt, pos, extras
 
-        def launch(tokens: mx.array, pos: mx.array, active: mx.array):
-            return sample(forward(tokens, pos, active))
-
         # ``current``: each live slot's next token to record (a step's output, or a new request's first
         # token) and the position it is fed at; its ids are read only after the next step is queued, so
         # the host records tokens, checks stops and prefills new requests while the device computes.
