@@ -1,5 +1,10 @@
 """A long unattended run in-process: 2,000 very short prompts on the tiny model, with process RSS, MLX
-active memory and the count of live Python objects sampled every 100 rows; after warm-up they stay flat."""
+active memory and the count of live Python objects sampled every 100 rows; after warm-up they stay flat.
+
+Prefix caching stays on, with a store of 50 blocks: every prompt here differs inside its first block, so each
+row stores one new block (2 layers x K,V x 2 heads x 32 positions x 16 dims x 4 bytes = 16 KiB) and the store
+is full after 50 rows; from then on every insert evicts one, and MLX active memory stays flat only if an
+evicted block's arrays are freed (at the default 1 GB the store would grow by 28 MiB over these rows)."""
 
 from __future__ import annotations
 
@@ -32,6 +37,8 @@ RSS_GROWTH_MAX = 16 << 20
 MLX_GROWTH_MAX = 64 << 10
 # - 1,000 objects: keeping one container object (a Result, a dict, a list) per row.
 OBJECTS_GROWTH_MAX = 1000
+BLOCK_BYTES = 2 * 2 * 2 * 32 * 16 * 4  # one prefix block of the tiny model: layers x K,V x heads x tokens x dims x 4
+PREFIX_BLOCKS = 50
 
 
 def rss_bytes() -> int:
@@ -50,6 +57,7 @@ def test_memory_stays_flat_over_2000_rows(tmp_path, monkeypatch):
         "input": {"path": str(tmp_path / "prompts.parquet")},  # ids: the row index; chat template on
         "generation": {"max_tokens": 2, "temperature": 0.0},
         "output": {"dir": str(out), "shard_size": 16},
+        "cache": {"prefix_cache_gb": PREFIX_BLOCKS * BLOCK_BYTES / 1e9},
     })
     samples = []  # (rows done, RSS bytes, MLX active bytes, gc-tracked objects)
     seen = []
