@@ -49,9 +49,9 @@ KINDS = {
 }
 
 
-def engine(model, gb: float = 1.0, **cache) -> Engine:
+def engine(model, gb: float = 1.0, exact: bool = True, **cache) -> Engine:
     spec = CacheSpec(prefix_cache_gb=gb, prefix_block_size=B, **cache)
-    return Engine(model, [0], 512, cache_spec=spec, compile=False)
+    return Engine(model, [0], 512, cache_spec=spec, compile=False, exact_prefix=exact)
 
 
 def ids(seed: int, n: int) -> list[int]:
@@ -113,6 +113,31 @@ def test_reuse_equals_a_prefill_without_reuse(model, kind):
         assert (got.cached_prompt_tokens, alone.cached_prompt_tokens) == (CACHED[i], 0), i
         assert shared_engine.prefill_tokens - before == len(prompt) - CACHED[i]
         same(got, alone)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reuse_with_prefill_step_chunks_gives_the_same_greedy_tokens(model, kind):
+    """``exact_prefix`` False (the GPU's rule) run on the CPU: what is not reused runs in prefill_step_size
+    chunks, its full blocks stored as views of one copy per layer; the same blocks are reused as with
+    exact chunks, and each row's greedy tokens equal a prefill without prefix caching."""
+    fast = engine(model, exact=False, **KINDS[kind])
+    assert not fast.exact_prefix and engine(model, **KINDS[kind]).exact_prefix
+    for i, prompt in enumerate(PROMPTS):
+        before = fast.prefill_tokens
+        got = fast.generate(prompt, GREEDY)
+        alone = engine(model, gb=0, **KINDS[kind]).generate(prompt, GREEDY)
+        assert got.cached_prompt_tokens == CACHED[i], i
+        assert fast.prefill_tokens - before == len(prompt) - CACHED[i]
+        assert got.token_ids == alone.token_ids, i
+        assert got.logprobs == pytest.approx(alone.logprobs, abs=TOL[kind]), i
+    assert len(fast.prefix) == 7 + 2 + 2 and fast.prefix.nbytes == len(fast.prefix) * BLOCK_BYTES[kind]
+
+
+TOL = {"full": 1e-4, "quantized": 1e-2, "rotating": 1e-4, "rotating-quantized": 1e-2}
+# one block of the model above: 2 layers x (keys, values) x 2 KV heads x 16 positions x 32 dims, in float32
+# (128 bytes a position) or packed (32 dims x bits / 8 bytes) plus a float32 scale and bias for the one group
+BLOCK_BYTES = {"full": 2 * 2 * 2 * B * 128, "rotating": 2 * 2 * 2 * B * 128,
+               "quantized": 2 * 2 * 2 * B * (4 * 4 + 8), "rotating-quantized": 2 * 2 * 2 * B * (4 * 8 + 8)}
 
 
 def test_prefix_cache_off_prefills_as_before(model):

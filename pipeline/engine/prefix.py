@@ -12,7 +12,10 @@ Exactness: a cached block is bitwise what a prefill would compute only if that p
 With prefix caching on, ``Engine.prefill_prompt`` therefore prefills in chunks of exactly one block at
 absolute block boundaries, cached or not (the last chunk is the prompt's tail), and always computes the
 block holding the prompt's last token (its logits start the generation), so a row that reuses ``h`` blocks
-runs exactly the chunks after ``h`` that the same row without reuse runs.
+runs exactly the chunks after ``h`` that the same row without reuse runs. That is the rule on the CPU
+(``Engine.exact_prefix``); on a GPU, where a forward per block costs more than the prefill it saves, what is
+not reused runs in ``prefill_step_size`` chunks, so a reused block differs from a recomputed one by float
+rounding only (the same greedy tokens in tests/test_prefix_cache.py, not the same bits).
 """
 
 from __future__ import annotations
@@ -97,6 +100,16 @@ class PrefixStore:
             self.evictions += 1
         self.blocks[key] = (layers, size)
         self.nbytes += size
+
+    def put_range(self, keys: list[bytes], layers: list) -> None:
+        """Hold ``len(keys)`` consecutive blocks given as one per-layer list of ``(keys, values)`` copies
+        spanning them all (positions along axis 2, ``len(keys) * block_size`` of them): block ``i`` is held
+        as views of positions ``i * block_size : (i + 1) * block_size`` of those copies (no copy per block;
+        the copies' memory is freed once every block of the range is evicted)."""
+        B = self.block_size
+        cut = lambda x, i: tuple(p[..., i * B : (i + 1) * B, :] for p in x) if isinstance(x, tuple) else x[..., i * B : (i + 1) * B, :]  # noqa: E731,E501
+        for i, key in enumerate(keys):
+            self.put(key, [(cut(k, i), cut(v, i)) for k, v in layers])
 
     def clear(self) -> None:
         self.blocks.clear()

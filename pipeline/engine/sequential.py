@@ -43,6 +43,12 @@ class Engine:
             token ids only).
         batch_size: the slots a ``BatchEngine`` over this engine decodes together (> 1: the batched
             path, for which no fused decoder is built).
+        exact_prefix: with prefix caching on, prefill in chunks of one block at absolute block boundaries,
+            so that a row reusing blocks is bitwise the row without reuse (``prefill_prompt``); False:
+            prefill what is not reused in ``prefill_step_size`` chunks (fewer, larger forwards; reuse
+            changes the arithmetic of the rest, not which greedy tokens win, to float rounding). None
+            (default): True on the CPU, False on a GPU, where one-block chunks cost a launch per kernel
+            per 32 tokens and a wait for the device per block.
 
     Attributes:
         path: the ``step.DecodePath`` chosen.
@@ -50,7 +56,8 @@ class Engine:
             (``prefix_cache_gb`` 0), or a cache layout it cannot serve exactly (``prefix_off``).
         prefix_off: why a job with prefix caching on has no store (quantized storage after
             ``quantized_kv_start`` > 0), or None.
-        block_size: tokens per prefix block and prefill chunk while prefix caching is on, else None.
+        block_size: tokens per prefix block while prefix caching is on, else None.
+        exact_prefix: as the argument, resolved (True or False).
         prefill_tokens: prompt tokens run through the model by ``prefill_prompt`` so far (reused ones not
             counted).
         tokens_generated: tokens this engine (and any ``BatchEngine`` over it) has generated so far, stop
@@ -63,7 +70,7 @@ class Engine:
 
     def __init__(self, model, eos_token_ids, context_length: int, prefill_step_size: int = 512,
                  cache_spec=None, compile: bool | str = True, tokenizer=None, fused: bool | str = "auto",
-                 batch_size: int = 1):
+                 batch_size: int = 1, exact_prefix: bool | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -90,6 +97,7 @@ class Engine:
         self.prefix = PrefixStore(int(gb * 1e9), self.block_size) if gb > 0 and not self.prefix_off else None
         windows = [c.max_size for c in self.cache if c.max_size is not None]
         self._window = min(windows) if windows else None
+        self.exact_prefix = mx.default_device() == mx.cpu if exact_prefix is None else bool(exact_prefix)
         self.prefill_tokens = 0
         self._last: tuple | None = None  # (prompt ids, last logits) while the caches hold exactly that prompt
 
@@ -114,12 +122,12 @@ class Engine:
         logits = self.prefill(mx.array(token_ids, dtype=mx.uint32))
         return logits[0].astype(mx.float32)
 
-    def prefill(self, prompt: mx.array) -> mx.array:
-        """Run ``prompt`` ``(L,)`` uint32 through the model into the caches, in chunks of
-        ``prefill_step_size``; returns the last position's logits ``(1, vocab)``."""
+    def prefill(self, prompt: mx.array, start: int = 0) -> mx.array:
+        """Run ``prompt[start:]`` (``prompt`` ``(L,)`` uint32, ``start`` < L, the caches holding positions
+        ``0:start``) through the model into the caches, in chunks of ``prefill_step_size``; returns the
+        last position's logits ``(1, vocab)``."""
         n = prompt.shape[0]
         step = self.prefill_step_size
-        start = 0
         while n - start > step:
             self.model(prompt[None, start : start + step], self.cache)
             mx.eval([c.state for c in self.cache])
@@ -134,8 +142,10 @@ class Engine:
         On: the prompt the caches hold already (the previous sample of the row: ``n`` > 1) is trimmed back
         to and its logits reused (every token reused); else the longest run of leading blocks held in
         ``prefix`` is loaded (at most the blocks before the one holding the last token, and within every
-        rotating layer's window), the rest is computed in chunks of one block at absolute block boundaries,
-        and each full block computed is added to ``prefix`` (module ``prefix`` says why this is exact).
+        rotating layer's window), the rest is computed, and each full block computed is added to ``prefix``.
+        ``exact_prefix``: the rest runs in chunks of one block at absolute block boundaries (module
+        ``prefix`` says why this is exact); else in ``prefill_step_size`` chunks, its full blocks then stored
+        as views of one copy per layer, and nothing waits for the device.
         """
         n = len(ids)
         if self.block_size is None:
@@ -170,6 +180,15 @@ class Engine:
         start = len(blocks) * B
         prompt = mx.array(ids, dtype=mx.uint32)
         self.prefill_tokens += n - start
+        if not self.exact_prefix:
+            logits = self.prefill(prompt, start)
+            full = n // B if self._window is None else min(n, self._window) // B
+            if full * B > start:
+                copies = [c.stored_copy(start, full * B) for c in self.cache]
+                store.put_range(keys[start // B : full], copies)
+                mx.async_eval(copies)  # now, so the next write into the caches finds no reader of the old buffer
+            self._last = (list(ids), logits)
+            return logits, len(blocks) * B
         while True:
             end = min(start + B, n)
             if end == n:
