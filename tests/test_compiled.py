@@ -26,7 +26,12 @@ STEPS = 200
 KINDS = [
     ("full", CacheSpec()),
     ("rotating", CacheSpec(max_kv_size=32)),
-    ("q8", CacheSpec(kv_bits=8, kv_group_size=32, prefix_cache_gb=0)),  # with prefix caching: see BENCHMARKS
+    # Compiled decode is not bitwise eager decode (MLX's fused CPU kernels round differently: logprobs differ
+    # by up to 8e-6 with a float cache, up to 3e-3 with 8-bit KV, where a flipped quantization level
+    # propagates). With prefix caching on, the default model's prompt below prefills in 32-token chunks and
+    # eager decoding meets a near-tie at token 8 (top-2 logprobs 0.0012 apart, under that difference), so the
+    # tokens part there; with one 60-token chunk they agree for all 200 steps. Hence caching off for q8.
+    ("q8", CacheSpec(kv_bits=8, kv_group_size=32, prefix_cache_gb=0)),
     ("q4", CacheSpec(kv_bits=4, kv_group_size=32)),
     ("rotating-q8", CacheSpec(max_kv_size=32, kv_bits=8, kv_group_size=32)),
 ]
