@@ -115,6 +115,13 @@ def test_reuse_equals_a_prefill_without_reuse(model, kind):
         same(got, alone)
 
 
+TOL = {"full": 1e-4, "quantized": 1e-2, "rotating": 1e-4, "rotating-quantized": 1e-2}
+# one block of the model above: 2 layers x (keys, values) x 2 KV heads x 16 positions x 32 dims, in float32
+# (128 bytes a position) or packed (32 dims x bits / 8 bytes) plus a float32 scale and bias for the one group
+BLOCK_BYTES = {"full": 2 * 2 * 2 * B * 128, "rotating": 2 * 2 * 2 * B * 128,
+               "quantized": 2 * 2 * 2 * B * (4 * 4 + 8), "rotating-quantized": 2 * 2 * 2 * B * (4 * 8 + 8)}
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_reuse_with_prefill_step_chunks_gives_the_same_greedy_tokens(model, kind):
     """``exact_prefix`` False (the GPU's rule) run on the CPU: what is not reused runs in prefill_step_size
@@ -131,13 +138,6 @@ def test_reuse_with_prefill_step_chunks_gives_the_same_greedy_tokens(model, kind
         assert got.token_ids == alone.token_ids, i
         assert got.logprobs == pytest.approx(alone.logprobs, abs=TOL[kind]), i
     assert len(fast.prefix) == 7 + 2 + 2 and fast.prefix.nbytes == len(fast.prefix) * BLOCK_BYTES[kind]
-
-
-TOL = {"full": 1e-4, "quantized": 1e-2, "rotating": 1e-4, "rotating-quantized": 1e-2}
-# one block of the model above: 2 layers x (keys, values) x 2 KV heads x 16 positions x 32 dims, in float32
-# (128 bytes a position) or packed (32 dims x bits / 8 bytes) plus a float32 scale and bias for the one group
-BLOCK_BYTES = {"full": 2 * 2 * 2 * B * 128, "rotating": 2 * 2 * 2 * B * 128,
-               "quantized": 2 * 2 * 2 * B * (4 * 4 + 8), "rotating-quantized": 2 * 2 * 2 * B * (4 * 8 + 8)}
 
 
 def test_prefix_cache_off_prefills_as_before(model):

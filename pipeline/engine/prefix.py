@@ -25,6 +25,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from .cache import _tmap
+
 
 def block_hashes(ids: list[int], block_size: int) -> list[bytes]:
     """The chained key (32-byte sha256 digest) of each full block of ``ids``: ``len(ids) // block_size`` keys."""
@@ -107,9 +109,9 @@ class PrefixStore:
         as views of positions ``i * block_size : (i + 1) * block_size`` of those copies (no copy per block;
         the copies' memory is freed once every block of the range is evicted)."""
         B = self.block_size
-        cut = lambda x, i: tuple(p[..., i * B : (i + 1) * B, :] for p in x) if isinstance(x, tuple) else x[..., i * B : (i + 1) * B, :]  # noqa: E731,E501
         for i, key in enumerate(keys):
-            self.put(key, [(cut(k, i), cut(v, i)) for k, v in layers])
+            view = lambda x: x[..., i * B : (i + 1) * B, :]  # noqa: E731
+            self.put(key, [(_tmap(view, k), _tmap(view, v)) for k, v in layers])
 
     def clear(self) -> None:
         self.blocks.clear()
