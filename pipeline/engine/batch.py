@@ -506,7 +506,8 @@ class BatchEngine:
         while current is not None:
             # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
             # With a constrained slot, only step t + 1's forward is queued: its sampling needs the masks made
-            # from step t's tokens, computed on the host (llguidance's threads) while that forward runs.
+            # from step t's tokens, computed on the host (llguidance's threads) while that forward runs, and
+            # queued before the host records every slot's token.
             ahead = None
             constrained = any(s is not None and s.constraint is not None for s in slots)
             if any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots):
@@ -516,6 +517,9 @@ class BatchEngine:
                 else:
                     ahead = sample(ahead)
             toks = current[0].tolist()
+            if constrained and ahead is not None:
+                masks.consume(slots, toks)
+                ahead = sample(ahead)
             out, changed = [], False
             for b, s in enumerate(slots):
                 if s is None:
@@ -528,8 +532,6 @@ class BatchEngine:
                     out.append((s.tag, done if isinstance(done, RowError) else self._finish(s, done)))
                     slots[b] = None
                     changed = True
-            if constrained and ahead is not None:
-                ahead = sample(ahead)
             seated = {}
             if None in slots and (pending or not exhausted):
                 # a new request's prefill overwrites its slot, step t + 1's write included

@@ -154,18 +154,25 @@ class Constraint:
         if fresh.is_error():
             raise RowError(f"structured.{params.key}: {one_line(fresh.get_error())}")
         self.matcher = fresh.deep_copy()
+        self.ahead: tuple[int, bool] | None = None  # (token, accepted): consumed early by ``SlotMasks.consume``
         self.words = (tok.vocab_size + 31) // 32
         self.eos = tok.eos_tokens[0]
         self.extra_stops = sorted(i for i in stop_ids if i not in tok.eos_tokens and i < tok.vocab_size)
 
     def consume(self, token: int) -> None:
-        """Advance the matcher by one generated token.
+        """Advance the matcher by one generated token (or take the verdict of ``SlotMasks.consume``, which
+        advanced it by this token already).
 
         Raises:
             RowError: the grammar rejects it (the mask allowed it only if the matcher is broken) or the
                 matcher met a limit (llguidance's parser limits).
         """
-        if not self.matcher.consume_token(token) or self.matcher.is_error():
+        if self.ahead is not None:
+            assert self.ahead[0] == token, (self.ahead, token)
+            ok, self.ahead = self.ahead[1], None
+        else:
+            ok = self.matcher.consume_token(token)
+        if not ok or self.matcher.is_error():
             raise RowError(f"structured output: {one_line(self.matcher.get_error()) or f'token {token} rejected'}")
 
     @property
@@ -203,19 +210,38 @@ class SlotMasks:
         self.executor: llguidance.LLExecutor | None = None
         self.bitmask: np.ndarray | None = None
 
+    def _executor(self) -> llguidance.LLExecutor:
+        if self.executor is None:
+            self.executor = llguidance.LLExecutor()
+        return self.executor
+
+    def consume(self, slots, tokens: list[int]) -> None:
+        """Advance every constrained slot's matcher by its token ``tokens[b]``, all in parallel, ahead of
+        ``Decoding.push`` (which then records the token and takes the verdict, ``Constraint.consume``), so
+        the next masks can be computed before the host records every slot. A stop id is left to ``push``:
+        it ends its row unconsumed."""
+        rows = [(d.constraint, tokens[b]) for b, d in enumerate(slots)
+                if d is not None and d.constraint is not None and tokens[b] not in d.stop_ids]
+        if not rows:
+            return
+        oks = llnp.consume_token_par(self._executor(), [(c.matcher, t) for c, t in rows])
+        for (c, t), ok in zip(rows, oks):
+            c.ahead = (t, ok)
+
     def allowed(self, slots, vocab: int) -> mx.array | None:
         """``(B, vocab)`` bool of the tokens each slot may take next (every token for a slot without a
-        constraint), or None when no slot has one (unconstrained batches pay nothing). ``slots``: each
-        slot's ``Decoding`` or None."""
-        rows = [(d.constraint, b) for b, d in enumerate(slots) if d is not None and d.constraint is not None]
-        if not rows:
+        constraint, or whose matcher has stopped or failed: that row ends at its last token), or None when
+        no slot has one (unconstrained batches pay nothing). ``slots``: each slot's ``Decoding`` or None."""
+        constraints = [(d.constraint, b) for b, d in enumerate(slots) if d is not None and d.constraint is not None]
+        if not constraints:
             return None
-        words = rows[0][0].words
+        rows = [(c, b) for c, b in constraints if not (c.matcher.is_stopped() or c.matcher.is_error())]
+        words = constraints[0][0].words
         if self.bitmask is None or self.bitmask.shape[1] != words:
             self.bitmask = np.empty((self.B, words), dtype=np.int32)
-            self.executor = llguidance.LLExecutor()
         self.bitmask.fill(-1)
-        llnp.fill_next_token_bitmask_par(self.executor, [(c.matcher, b) for c, b in rows], self.bitmask)
+        if rows:
+            llnp.fill_next_token_bitmask_par(self._executor(), [(c.matcher, b) for c, b in rows], self.bitmask)
         for c, b in rows:
             c.fix_stops(self.bitmask[b])
         return allowed_tokens(self.bitmask, vocab)
