@@ -222,10 +222,9 @@ def test_batched_slots_loaded_from_the_store_equal_slots_without_reuse(model, ki
 
 
 def test_group_prefill_leaves_the_store_alone(model):
-    """The GPU's group prefill (forced on here) neither reads nor adds blocks: its forward has other shapes
-    than one-block chunks (a reused block would match only to rounding), and storing would cost a wait for
-    the device and copies per block on every admission. A prompt sharing 48 tokens with a grouped one
-    reuses nothing and gives its own tokens."""
+    """With ``exact_prefix`` (the CPU's rule) group prefill (forced on here) neither reads nor adds blocks:
+    its forward has other shapes than one-block chunks (a reused block would match only to rounding). A
+    prompt sharing 48 tokens with a grouped one reuses nothing and gives its own tokens."""
     short = SHARED[:50]
     requests = [Request(0, short, GREEDY), Request(1, ids(7, 30), GREEDY), Request(2, ids(8, 30), GREEDY),
                 Request(3, short[:48] + [3, 4], GREEDY)]
@@ -234,3 +233,27 @@ def test_group_prefill_leaves_the_store_alone(model):
     assert len(eng.prefix) == 0
     ref, _ = _batched(model, requests[3:], prefill_batch=True)
     assert got[3].token_ids == ref[3].token_ids and got[3].logprobs == ref[3].logprobs
+
+
+def test_group_prefill_with_reuse_gives_the_same_greedy_tokens(model):
+    """The GPU's rule (``exact_prefix`` False) with group prefill (forced on here): group forwards store
+    their rows' full blocks, and requests reusing the same blocks are prefilled together, the blocks loaded
+    once for the forward and only the rest computed; each row's greedy tokens equal a run without prefix
+    caching. Three slots: the first three rows are admitted together (nothing stored yet, three buckets);
+    when they end, rows 3 and 4 (96 tokens reused, 11 and 14 computed: bucket 16) share one forward and
+    row 5 (32 reused, another block chain) gets its own."""
+    greedy = GenerateParams(max_tokens=6, logprobs=2, ignore_eos=True)
+    prompts = [SHARED + ids(1, 20), ids(2, 40), ids(3, 30),
+               SHARED + ids(4, 7), SHARED + ids(5, 10), SHARED[:40] + ids(6, 9)]
+    requests = [Request(i, p, greedy) for i, p in enumerate(prompts)]
+    eng = engine(model, exact=False)
+    be = BatchEngine(eng, 3, 256, prefill_batch=True)
+    got = dict(be.run(requests))
+    assert [got[i].cached_prompt_tokens for i in range(6)] == [0, 0, 0, 96, 96, 32]
+    assert eng.prefill_tokens == sum(len(p) for p in prompts) - 224
+    assert be.prefill_counts == {128: 1, 64: 1, 32: 2, 16: 1}
+    assert len(eng.prefix) == 7 + 2 + 1 + 1  # rows 0-2's full blocks, and row 5's third (rows 3, 4: none new)
+    ref = dict(BatchEngine(engine(model, gb=0), 3, 256, prefill_batch=True).run(requests))
+    for i in range(6):
+        assert got[i].token_ids == ref[i].token_ids, i
+        assert got[i].logprobs == pytest.approx(ref[i].logprobs, abs=TOL["full"]), i

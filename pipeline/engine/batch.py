@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -53,6 +54,7 @@ from .batch_sampler import SlotSampler, StepLogprobs
 from .cache import KVCache, RotatingKVCache
 from .cuda import BatchedDecoder, batched_blocker
 from .params import Generation
+from .prefix import block_hashes
 from .request import Decoding, Request
 from .sequential import Engine
 from .structured import SlotMasks
@@ -63,6 +65,16 @@ PREFILL_MIN_BUCKET = 16  # shortest padded length of a group prefill (tokens)
 # 4 x 128 tokens (SmolLM2-135M) took 10 ms, of which the GPU was busy 1.9 ms: its cost is the host's
 # launches, so more rows per forward admit more requests for the same cost (docs/BENCHMARKS.md).
 PREFILL_TOKENS = 2048
+
+
+class Group(NamedTuple):
+    """How a request is prefilled together with others (``BatchEngine._bucket``): its tokens after the
+    ``reused`` leading ones padded to ``size``; ``key``: the prefix store's key of its last reused block
+    (requests of one forward reuse the same blocks)."""
+
+    size: int
+    reused: int = 0
+    key: bytes = b""
 
 
 def device_memory() -> int | None:
@@ -141,7 +153,7 @@ class BatchEngine:
         self.max_positions = max_positions
         self.prefill_batch = mx.default_device().type == mx.gpu if prefill_batch is None else bool(prefill_batch)
         self.group_tokens = group_tokens
-        self._groups: dict[int, list] = {}
+        self._groups: dict[tuple[int, int], list] = {}
         self.prefill_counts: dict[int | None, int] = {}  # prefill forwards run, per padded length (None: alone)
         self.kinds = tuple(layer_kind(c, layer_capacity(c, max_positions)) for c in engine.cache)
         self.starts = tuple(getattr(c, "start", 0) if c.bits is not None else 0 for c in engine.cache)
@@ -315,10 +327,28 @@ class BatchEngine:
         size = min(size, step)
         return None if any(c.max_size is not None and size > c.max_size for c in self.engine.cache) else size
 
-    def _bucket(self, d: Decoding) -> int | None:
-        """``prefill_bucket`` of a request, None (prefilled alone) where prefix caching reuses any of its KV."""
-        size = self.prefill_bucket(d.n_prompt)
-        return None if size is not None and self.engine.reusable(d.prompt_ids) else size
+    def _bucket(self, d: Decoding) -> Group | None:
+        """The group prefill a request joins, or None (prefilled alone, ``Engine.prefill_prompt``).
+
+        Without prefix reuse: its prompt padded to ``prefill_bucket``. With it (prefix caching on and not
+        ``Engine.exact_prefix``, no rotating layer): the part after its reused blocks padded to that part's
+        bucket, grouped with requests reusing the same blocks (loaded once for the whole forward). Where
+        the engine's caches hold this very prompt (the previous sample of a row), alone: it reuses all."""
+        eng = self.engine
+        reused = eng.reusable(d.prompt_ids)
+        if not reused:
+            size = self.prefill_bucket(d.n_prompt)
+            return None if size is None else Group(size)
+        if reused == d.n_prompt or eng.exact_prefix or eng._window is not None:
+            return None
+        size = self.prefill_bucket(d.n_prompt - reused)
+        return None if size is None else Group(size, reused, self._keys(d)[reused // eng.block_size - 1])
+
+    def _keys(self, d: Decoding) -> list[bytes]:
+        """``prefix.block_hashes`` of a request's prompt (computed once per request)."""
+        if d.block_keys is None:
+            d.block_keys = block_hashes(d.prompt_ids, self.engine.block_size)
+        return d.block_keys
 
     def prefill_rows(self, size: int) -> int:
         """Rows of every group prefill at padded length ``size``: ``group_tokens // size`` (fixed, so a
@@ -343,43 +373,75 @@ class BatchEngine:
         out = sorted(n for n in sizes if n <= fits and self.prefill_bucket(n) == n)
         return out or [max(1, min(8, fits))]
 
-    def _group_caches(self, size: int) -> list:
-        """Dense caches of ``size`` slots per row for a group prefill (one set per padded length, reused)."""
-        caches = self._groups.get(size)
+    def _group_caches(self, rows: int, size: int) -> list:
+        """Dense caches of ``size`` slots for ``rows`` rows, for a group prefill (one set per shape, reused)."""
+        caches = self._groups.get((rows, size))
         if caches is None:
             caches = [KVCache() if c.max_size is None else RotatingKVCache(c.max_size) for c in self.engine.cache]
             for c in caches:
                 c.step = size  # room for exactly the padded prompt
-            self._groups[size] = caches
+            self._groups[rows, size] = caches
         for c in caches:
             c.reset()
         return caches
 
-    def _prefill(self, group: list[Decoding], size: int | None) -> tuple[list, list, list[int]]:
-        """Prefill ``group`` (one request when ``size`` is None, else up to ``prefill_rows(size)`` requests
-        padded to ``size`` tokens, in ONE forward of ``prefill_rows(size)`` rows) and sample each one's first
-        token. Returns ``(firsts, caches, rows)``: ``(token (1,) uint32, logprob arrays)`` per request, lazy
-        (nothing waits for the device), the caches holding their keys and values, and each request's row in
-        them.
+    def _load_reused(self, group: list[Decoding], g: Group, n_rows: int) -> list:
+        """Group caches of ``g.reused + g.size`` slots per row holding the blocks every request of ``group``
+        reuses (taken from the prefix store once, the same in every row); their ``offset`` is ``g.reused``."""
+        eng = self.engine
+        caches = self._group_caches(n_rows, g.reused + g.size)
+        blocks = eng.prefix.take(self._keys(group[0])[: g.reused // eng.block_size])
+        for i, c in enumerate(caches):
+            k, v = (mx.concatenate([b[i][j] for b in blocks], axis=2) for j in (0, 1))
+            c.load_prefix(mx.broadcast_to(k, (n_rows, *k.shape[1:])), mx.broadcast_to(v, (n_rows, *v.shape[1:])))
+        return caches
+
+    def _store_blocks(self, group: list[Decoding], g: Group, caches) -> None:
+        """Hold the full blocks each request of ``group`` computed (after its ``g.reused`` reused tokens) in
+        the prefix store: one copy per layer of the group's computed positions, each block a view of it
+        (``PrefixStore.put_range``)."""
+        bs, P = self.engine.block_size, g.reused
+        ends = [d.n_prompt // bs * bs for d in group]
+        span = max(ends) - P
+        if span <= 0:
+            return
+        copies = [(mx.contiguous(c.keys[: len(group), :, P : P + span, :]),
+                   mx.contiguous(c.values[: len(group), :, P : P + span, :])) for c in caches]
+        for r, (d, end) in enumerate(zip(group, ends)):
+            if end > P:
+                self.engine.prefix.put_range(self._keys(d)[P // bs : end // bs],
+                                             [(k[r : r + 1], v[r : r + 1]) for k, v in copies])
+        mx.async_eval(copies)  # now, so the next write into the group caches finds no reader of the old buffer
+
+    def _prefill(self, group: list[Decoding], g: Group | None) -> tuple[list, list, list[int]]:
+        """Prefill ``group`` (one request when ``g`` is None, else up to ``prefill_rows(g.size)`` requests,
+        each one's tokens after its ``g.reused`` reused ones padded to ``g.size``, in ONE forward of
+        ``prefill_rows(g.size)`` rows) and sample each one's first token. Returns ``(firsts, caches, rows)``:
+        ``(token (1,) uint32, logprob arrays)`` per request, lazy (nothing waits for the device), the caches
+        holding their keys and values (the reused positions first), and each request's row in them.
 
         Padding goes after a prompt, so under the causal mask no real position sees it; the keys and values
         it leaves after the prompt are never copied into a slot."""
         eng = self.engine
-        if size is None:
+        if g is None:
             d = group[0]
             logits, d.cached = eng.prefill_prompt(d.prompt_ids)
             caches, rows = eng.cache, [0]
         else:
+            size, P = g.size, g.reused
             n_rows = self.prefill_rows(size)
             tokens = np.zeros((n_rows, size), dtype=np.uint32)
             for i, d in enumerate(group):
-                tokens[i, : d.n_prompt] = d.prompt_ids
-            caches = self._group_caches(size)
+                tokens[i, : d.n_prompt - P] = d.prompt_ids[P:]
+                d.cached = P
+            caches = self._load_reused(group, g, n_rows) if P else self._group_caches(n_rows, size)
             h = eng.model.model(mx.array(tokens), caches)
-            last = mx.array([d.n_prompt - 1 for d in group] + [0] * (n_rows - len(group)), dtype=mx.int32)
+            last = mx.array([d.n_prompt - 1 - P for d in group] + [0] * (n_rows - len(group)), dtype=mx.int32)
             logits = output_logits(eng.model, mx.take_along_axis(h, last[:, None, None], axis=1), False)[:, 0, :]
             rows = list(range(len(group)))
-            eng.prefill_tokens += sum(d.n_prompt for d in group)
+            eng.prefill_tokens += sum(d.n_prompt - P for d in group)
+            if eng.prefix is not None and not eng.exact_prefix:  # exact: only one-block chunks are stored
+                self._store_blocks(group, g, caches)
         return [d.begin(logits[r : r + 1]) for d, r in zip(group, rows)], caches, rows
 
     def _finish(self, d: Decoding, done: tuple) -> Generation:
@@ -426,18 +488,19 @@ class BatchEngine:
                         out.append((req.tag, e))
                 if not pending or not free or (decoding and forwards):
                     return seated
-                size = self._bucket(pending[0])
+                g = self._bucket(pending[0])
+                size = None if g is None else g.size
                 if decoding and len(free) < self.admit_at(size) and not (exhausted and len(pending) <= len(free)):
                     return seated  # wait for slots enough to fill a forward (its cost is per forward)
                 group = [pending.pop(0)]
-                if size is not None:
+                if g is not None:
                     limit = min(self.prefill_rows(size), len(free))
                     for d in list(pending):
-                        if len(group) < limit and self._bucket(d) == size:
+                        if len(group) < limit and self._bucket(d) == g:
                             group.append(d)
                             pending.remove(d)
                 try:
-                    firsts, caches, rows = self._prefill(group, size)
+                    firsts, caches, rows = self._prefill(group, g)
                 except Exception as e:  # a bug or a model error: name the rows it hit first, then those decoding
                     e.request_tags = [d.tag for d in group] + [s.tag for s in slots if s is not None]
                     raise

@@ -87,6 +87,7 @@ class Decoding:
             if params.structured is not None else None
         self.tokens: list[int] = []
         self.cached = 0
+        self.block_keys: list[bytes] | None = None  # prefix.block_hashes of the prompt, once needed (BatchEngine)
         self.picked: list[tuple] = []  # each recorded token's logprob arrays
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
