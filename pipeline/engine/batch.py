@@ -409,8 +409,7 @@ class BatchEngine:
                    mx.contiguous(c.values[: len(group), :, P : P + span, :])) for c in caches]
         for r, (d, end) in enumerate(zip(group, ends)):
             if end > P:
-                self.engine.prefix.put_range(self._keys(d)[P // bs : end // bs],
-                                             [(k[r : r + 1], v[r : r + 1]) for k, v in copies])
+                self.engine.prefix.put_range(self._keys(d)[P // bs : end // bs], copies, row=r)
         mx.async_eval(copies)  # now, so the next write into the group caches finds no reader of the old buffer
 
     def _prefill(self, group: list[Decoding], g: Group | None) -> tuple[list, list, list[int]]:

@@ -20,6 +20,7 @@ rounding only (the same greedy tokens in tests/test_prefix_cache.py, not the sam
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 
@@ -36,6 +37,12 @@ def block_hashes(ids: list[int], block_size: int) -> list[bytes]:
         h = hashlib.sha256(h + arr[k * block_size : (k + 1) * block_size].tobytes()).digest()
         out.append(h)
     return out
+
+
+def _views(layers: list, row: int, a: int, n: int) -> list:
+    """Views of row ``row``, positions ``a : a + n`` (axis 2) of each layer's ``(keys, values)``."""
+    view = lambda x: x[row : row + 1, :, a : a + n, :]  # noqa: E731
+    return [(_tmap(view, k), _tmap(view, v)) for k, v in layers]
 
 
 def _nbytes(layers: list) -> int:
@@ -85,15 +92,23 @@ class PrefixStore:
         n = self.hits(keys)
         for key in reversed(keys[:n]):
             self.blocks.move_to_end(key)
-        return [self.blocks[key][0] for key in keys[:n]]
+        out = []
+        for key in keys[:n]:
+            layers, size = self.blocks[key]
+            if callable(layers):  # held by put_range: its views are cut the first time the block is taken
+                layers = layers()
+                self.blocks[key] = (layers, size)
+            out.append(layers)
+        return out
 
-    def put(self, key: bytes, layers: list) -> None:
-        """Hold ``layers`` (a per-layer list of ``(keys, values)`` copies of one block) as ``key``, evicting
-        least recently used blocks until it fits; a block larger than the whole store is not held."""
+    def put(self, key: bytes, layers, size: int | None = None) -> None:
+        """Hold ``layers`` (a per-layer list of ``(keys, values)`` copies of one block, or a function that
+        returns one, with its ``size`` in bytes) as ``key``, evicting least recently used blocks until it
+        fits; a block larger than the whole store is not held."""
         if key in self.blocks:
             self.blocks.move_to_end(key)
             return
-        size = _nbytes(layers)
+        size = _nbytes(layers) if size is None else size
         if size > self.capacity_bytes:
             return
         while self.nbytes + size > self.capacity_bytes:
@@ -103,15 +118,18 @@ class PrefixStore:
         self.blocks[key] = (layers, size)
         self.nbytes += size
 
-    def put_range(self, keys: list[bytes], layers: list) -> None:
+    def put_range(self, keys: list[bytes], layers: list, row: int = 0) -> None:
         """Hold ``len(keys)`` consecutive blocks given as one per-layer list of ``(keys, values)`` copies
-        spanning them all (positions along axis 2, ``len(keys) * block_size`` of them): block ``i`` is held
-        as views of positions ``i * block_size : (i + 1) * block_size`` of those copies (no copy per block;
-        the copies' memory is freed once every block of the range is evicted)."""
+        spanning them all (positions along axis 2, ``len(keys) * block_size`` of them, from position 0 of the
+        copies; several rows along axis 0, of which row ``row`` is this prompt's): block ``i`` is held as
+        views of row ``row``, positions ``i * block_size : (i + 1) * block_size`` of those copies (no copy per
+        block, and no view is cut until the block is taken; the copies' memory is freed once every block
+        cut from them is evicted)."""
         B = self.block_size
+        size = B * sum(part.nbytes // (part.shape[0] * part.shape[2]) for kv in layers for buf in kv
+                       for part in (buf if isinstance(buf, tuple) else (buf,)))
         for i, key in enumerate(keys):
-            view = lambda x: x[..., i * B : (i + 1) * B, :]  # noqa: E731
-            self.put(key, [(_tmap(view, k), _tmap(view, v)) for k, v in layers])
+            self.put(key, functools.partial(_views, layers, row, i * B, B), size)
 
     def clear(self) -> None:
         self.blocks.clear()
