@@ -38,7 +38,7 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
   __shared__ long long red[NW * 16];
   __shared__ float redf[NW];
   __shared__ unsigned int s_prefix;
-  __shared__ long long s_base, s_bin;
+  __shared__ long long s_base, s_bin, s_target;
   __shared__ int s_found;
   const int b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const float* row = x + static_cast<size_t>(b) * V;
@@ -74,8 +74,10 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
 
   // Block-reduce 16 counters and let thread 0 pick a bin: the highest (descending) or lowest (ascending) bin at
   // which base + the amount of the bins before it, and it, reaches target. Returns false (uniformly) if none.
-  auto pick = [&](long long* c, long long target, bool descending, unsigned int& prefix, int shift,
-                  long long& base) -> bool {
+  // of_total: target becomes the fraction frac / 2^24 of base + all 16 bins (top_p's share of the kept mass,
+  // counted by the first pass, which sees every token).
+  auto pick = [&](long long* c, long long& target, bool descending, unsigned int& prefix, int shift,
+                  long long& base, bool of_total) -> bool {
 #pragma unroll
     for (int j = 0; j < 16; ++j) c[j] = pl_warp_sum64(c[j]);
     if (lane == 0) {
@@ -86,6 +88,13 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
     if (t == 0) {
       long long cum = base, bin = 0;
       int d = -1;
+      if (of_total) {
+        long long all = base;
+        for (int j = 0; j < 16; ++j)
+          for (int w = 0; w < NW; ++w) all += red[w * 16 + j];
+        target = pl_scale(all, frac);
+      }
+      s_target = target;
       for (int n = 0; n < 16; ++n) {
         const int j = descending ? 15 - n : n;
         long long h = 0;
@@ -102,13 +111,16 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
     const bool found = s_found;
     prefix = s_prefix;
     base = s_base;
+    target = s_target;
     __syncthreads();
     return found;
   };
 
   // The rank at which the amount (1 per token, or the kept mass of first_kept tokens) of the tokens at or above
-  // it first reaches target: its (K, I). False if all of them together do not reach it.
+  // it first reaches target (target < 0: top_p's share of all the kept mass): its (K, I). False if all of them
+  // together do not reach it.
   auto select = [&](bool by_mass, long long target, unsigned int& K_out, int& I_out) -> bool {
+    const bool of_total = target < 0;
     auto amount = [&](float xv, unsigned int key, int i) -> long long {
       if (!by_mass) return 1;
       const float w = weight(xv);
@@ -130,7 +142,7 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
 #pragma unroll
         for (int j = 0; j < 16; ++j) c[j] += (d == j) ? a : 0;
       }
-      if (!pick(c, target, true, prefix, shift, base)) return false;
+      if (!pick(c, target, true, prefix, shift, base, of_total && shift == 28)) return false;
       group = s_bin;
     }
     K_out = prefix;
@@ -163,7 +175,8 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
 #pragma unroll
         for (int j = 0; j < 16; ++j) c[j] += (d == j) ? a : 0;
       }
-      pick(c, need, false, ip, shift, ibase);
+      long long want = need;
+      pick(c, want, false, ip, shift, ibase, false);
     }
     I_out = static_cast<int>(ip);
     return true;
@@ -171,21 +184,7 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
 
   if ($filters) {
     if (top_k < V) k_on = select(false, static_cast<long long>(top_k < 1 ? 1 : top_k), kK, kI);
-    if (frac < 16777216ll) {
-      long long z = 0;
-      for (int i = t; i < V; i += NT) {
-        const float xv = row[i];
-        const float w = weight(xv);
-        if (first_kept(xv, pl_key(xv), i, w)) z += mass_of(w);
-      }
-      z = pl_warp_sum64(z);
-      if (lane == 0) red[warp] = z;
-      __syncthreads();
-      long long total = 0;
-      for (int w = 0; w < NW; ++w) total += red[w];
-      __syncthreads();
-      p_on = select(true, pl_scale(total, frac), pK, pI);
-    }
+    if (frac < 16777216ll) p_on = select(true, -1, pK, pI);  // the first pass sums the kept mass too
   }
 
   // the draw: each thread sums a contiguous chunk of kept mass; a block scan finds the chunk holding the target
