@@ -257,3 +257,23 @@ def test_group_prefill_with_reuse_gives_the_same_greedy_tokens(model):
     for i in range(6):
         assert got[i].token_ids == ref[i].token_ids, i
         assert got[i].logprobs == pytest.approx(ref[i].logprobs, abs=TOL["full"]), i
+
+
+def test_samples_of_one_prompt_share_a_group_prefill_row(model):
+    """Group prefill with prefix caching on: the samples of one prompt admitted together take one row of the
+    forward (prefilled once, every sample's prompt counted as reused), and each sample draws the same tokens
+    as in a run without prefix caching, where every request takes its own row."""
+    prompt, other = SHARED[:40], ids(9, 20)
+    params = [GenerateParams(max_tokens=6, temperature=0.9, seed=s, logprobs=1, ignore_eos=True) for s in range(3)]
+    requests = [Request(i, prompt, p) for i, p in enumerate(params)] + [Request(3, other, params[0])]
+    eng = engine(model, exact=False)
+    be = BatchEngine(eng, 4, 256, prefill_batch=True)
+    got = dict(be.run(requests))
+    assert be.prefill_counts == {64: 1, 32: 1}  # the three samples in one forward, the other prompt in its own
+    assert eng.prefill_tokens == len(prompt) + len(other)
+    assert [got[i].cached_prompt_tokens for i in range(4)] == [0, len(prompt), len(prompt), 0]
+    assert len({tuple(got[i].token_ids) for i in range(3)}) > 1  # the samples differ
+    ref = dict(BatchEngine(engine(model, gb=0), 4, 256, prefill_batch=True).run(requests))
+    for i in range(4):  # the same tokens; logprobs to rounding (rows of other content share the forward)
+        assert got[i].token_ids == ref[i].token_ids, i
+        assert got[i].logprobs == pytest.approx(ref[i].logprobs, abs=TOL["full"]), i

@@ -396,10 +396,18 @@ class BatchEngine:
             c.load_prefix(mx.broadcast_to(k, (n_rows, *k.shape[1:])), mx.broadcast_to(v, (n_rows, *v.shape[1:])))
         return caches
 
+    def _rows_of(self, group: list[Decoding]) -> list[int]:
+        """Each request's row in its group forward: with prefix caching on, requests with the same prompt (the
+        samples of a row) share one, so it is prefilled once; else one row each."""
+        if self.engine.block_size is None:
+            return list(range(len(group)))
+        first: dict[tuple, int] = {}
+        return [first.setdefault(tuple(d.prompt_ids), len(first)) for d in group]
+
     def _store_blocks(self, group: list[Decoding], g: Group, caches) -> None:
-        """Hold the full blocks each request of ``group`` computed (after its ``g.reused`` reused tokens) in
-        the prefix store: one copy per layer of the group's computed positions, each block a view of it
-        (``PrefixStore.put_range``)."""
+        """Hold the full blocks each request of ``group`` (one per row of the group caches, in row order)
+        computed after its ``g.reused`` reused tokens in the prefix store: one copy per layer of the group's
+        computed positions, each block a view of it (``PrefixStore.put_range``)."""
         bs, P = self.engine.block_size, g.reused
         ends = [d.n_prompt // bs * bs for d in group]
         span = max(ends) - P
@@ -413,9 +421,9 @@ class BatchEngine:
         mx.async_eval(copies)  # now, so the next write into the group caches finds no reader of the old buffer
 
     def _prefill(self, group: list[Decoding], g: Group | None) -> tuple[list, list, list[int]]:
-        """Prefill ``group`` (one request when ``g`` is None, else up to ``prefill_rows(g.size)`` requests,
-        each one's tokens after its ``g.reused`` reused ones padded to ``g.size``, in ONE forward of
-        ``prefill_rows(g.size)`` rows) and sample each one's first token. Returns ``(firsts, caches, rows)``:
+        """Prefill ``group`` (one request when ``g`` is None, else requests of up to ``prefill_rows(g.size)``
+        distinct prompts (``_rows_of``), each one's tokens after its ``g.reused`` reused ones padded to
+        ``g.size``, in ONE forward of ``prefill_rows(g.size)`` rows) and sample each one's first token. Returns ``(firsts, caches, rows)``:
         ``(token (1,) uint32, logprob arrays)`` per request, lazy (nothing waits for the device), the caches
         holding their keys and values (the reused positions first), and each request's row in them.
 
@@ -429,18 +437,23 @@ class BatchEngine:
         else:
             size, P = g.size, g.reused
             n_rows = self.prefill_rows(size)
+            rows = self._rows_of(group)
+            computed: list[Decoding] = []  # the request each row computes, in row order
             tokens = np.zeros((n_rows, size), dtype=np.uint32)
-            for i, d in enumerate(group):
-                tokens[i, : d.n_prompt - P] = d.prompt_ids[P:]
+            for d, r in zip(group, rows):
+                if r < len(computed):  # another sample of a prompt this forward computes: all of it reused
+                    d.cached = d.n_prompt
+                    continue
+                computed.append(d)
+                tokens[r, : d.n_prompt - P] = d.prompt_ids[P:]
                 d.cached = P
             caches = self._load_reused(group, g, n_rows) if P else self._group_caches(n_rows, size)
             h = eng.model.model(mx.array(tokens), caches)
-            last = mx.array([d.n_prompt - 1 - P for d in group] + [0] * (n_rows - len(group)), dtype=mx.int32)
+            last = mx.array([d.n_prompt - 1 - P for d in computed] + [0] * (n_rows - len(computed)), dtype=mx.int32)
             logits = output_logits(eng.model, mx.take_along_axis(h, last[:, None, None], axis=1), False)[:, 0, :]
-            rows = list(range(len(group)))
-            eng.prefill_tokens += sum(d.n_prompt - P for d in group)
+            eng.prefill_tokens += sum(d.n_prompt - P for d in computed)
             if eng.prefix is not None and not eng.exact_prefix:  # exact: only one-block chunks are stored
-                self._store_blocks(group, g, caches)
+                self._store_blocks(computed, g, caches)
         return [d.begin(logits[r : r + 1]) for d, r in zip(group, rows)], caches, rows
 
     def _finish(self, d: Decoding, done: tuple) -> Generation:
@@ -493,11 +506,15 @@ class BatchEngine:
                     return seated  # wait for slots enough to fill a forward (its cost is per forward)
                 group = [pending.pop(0)]
                 if g is not None:
-                    limit = min(self.prefill_rows(size), len(free))
+                    rows_free = self.prefill_rows(size) - 1
                     for d in list(pending):
-                        if len(group) < limit and self._bucket(d) == g:
+                        if len(group) == len(free):
+                            break
+                        shares = self.engine.block_size is not None and d.prompt_ids in (e.prompt_ids for e in group)
+                        if (shares or rows_free) and self._bucket(d) == g:
                             group.append(d)
                             pending.remove(d)
+                            rows_free -= not shares
                 try:
                     firsts, caches, rows = self._prefill(group, g)
                 except Exception as e:  # a bug or a model error: name the rows it hit first, then those decoding
