@@ -396,13 +396,15 @@ class BatchEngine:
             c.load_prefix(mx.broadcast_to(k, (n_rows, *k.shape[1:])), mx.broadcast_to(v, (n_rows, *v.shape[1:])))
         return caches
 
+    def _row_key(self, d: Decoding):
+        """What a request's row in a group forward is for: with prefix caching on its prompt (the samples of a
+        row share one, so it is prefilled once), else the request itself."""
+        return tuple(d.prompt_ids) if self.engine.block_size is not None else id(d)
+
     def _rows_of(self, group: list[Decoding]) -> list[int]:
-        """Each request's row in its group forward: with prefix caching on, requests with the same prompt (the
-        samples of a row) share one, so it is prefilled once; else one row each."""
-        if self.engine.block_size is None:
-            return list(range(len(group)))
-        first: dict[tuple, int] = {}
-        return [first.setdefault(tuple(d.prompt_ids), len(first)) for d in group]
+        """Each request's row in its group forward (rows in order of first use, one per ``_row_key``)."""
+        first: dict = {}
+        return [first.setdefault(self._row_key(d), len(first)) for d in group]
 
     def _store_blocks(self, group: list[Decoding], g: Group, caches) -> None:
         """Hold the full blocks each request of ``group`` (one per row of the group caches, in row order)
@@ -421,11 +423,12 @@ class BatchEngine:
         mx.async_eval(copies)  # now, so the next write into the group caches finds no reader of the old buffer
 
     def _prefill(self, group: list[Decoding], g: Group | None) -> tuple[list, list, list[int]]:
-        """Prefill ``group`` (one request when ``g`` is None, else requests of up to ``prefill_rows(g.size)``
-        distinct prompts (``_rows_of``), each one's tokens after its ``g.reused`` reused ones padded to
-        ``g.size``, in ONE forward of ``prefill_rows(g.size)`` rows) and sample each one's first token. Returns ``(firsts, caches, rows)``:
-        ``(token (1,) uint32, logprob arrays)`` per request, lazy (nothing waits for the device), the caches
-        holding their keys and values (the reused positions first), and each request's row in them.
+        """Prefill ``group`` (one request when ``g`` is None, else requests taking up to ``prefill_rows(g.size)``
+        rows (``_rows_of``), each row's tokens after its ``g.reused`` reused ones padded to ``g.size``, in ONE
+        forward of ``prefill_rows(g.size)`` rows) and sample each request's first token. Returns ``(firsts,
+        caches, rows)``: ``(token (1,) uint32, logprob arrays)`` per request, lazy (nothing waits for the
+        device), the caches holding their keys and values (the reused positions first), and each request's
+        row in them.
 
         Padding goes after a prompt, so under the causal mask no real position sees it; the keys and values
         it leaves after the prompt are never copied into a slot."""
@@ -506,15 +509,15 @@ class BatchEngine:
                     return seated  # wait for slots enough to fill a forward (its cost is per forward)
                 group = [pending.pop(0)]
                 if g is not None:
-                    rows_free = self.prefill_rows(size) - 1
+                    rows = {self._row_key(group[0])}  # the forward's rows taken (``_rows_of``)
                     for d in list(pending):
                         if len(group) == len(free):
                             break
-                        shares = self.engine.block_size is not None and d.prompt_ids in (e.prompt_ids for e in group)
-                        if (shares or rows_free) and self._bucket(d) == g:
+                        key = self._row_key(d)
+                        if (key in rows or len(rows) < self.prefill_rows(size)) and self._bucket(d) == g:
                             group.append(d)
                             pending.remove(d)
-                            rows_free -= not shares
+                            rows.add(key)
                 try:
                     firsts, caches, rows = self._prefill(group, g)
                 except Exception as e:  # a bug or a model error: name the rows it hit first, then those decoding
