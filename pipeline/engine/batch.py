@@ -335,7 +335,7 @@ class BatchEngine:
         bucket, grouped with requests reusing the same blocks (loaded once for the whole forward). Where
         the engine's caches hold this very prompt (the previous sample of a row), alone: it reuses all."""
         eng = self.engine
-        reused = eng.reusable(d.prompt_ids)
+        reused = eng.reusable(d.prompt_ids, self._keys(d) if eng.prefix is not None else None)
         if not reused:
             size = self.prefill_bucket(d.n_prompt)
             return None if size is None else Group(size)

@@ -206,9 +206,9 @@ class Engine:
         self._last = (list(ids), logits)
         return logits, len(blocks) * B
 
-    def reusable(self, ids: list[int]) -> int:
+    def reusable(self, ids: list[int], keys: list[bytes] | None = None) -> int:
         """Prompt tokens of ``ids`` that ``prefill_prompt`` would reuse now (0 with prefix caching off);
-        changes nothing."""
+        changes nothing. ``keys``: ``block_hashes(ids, block_size)`` if the caller has them."""
         if self.block_size is None:
             return 0
         if self._last is not None and self._last[0] == ids and all(c.prefix_blocker(len(ids)) is None
@@ -219,7 +219,8 @@ class Engine:
         usable = (len(ids) - 1) // self.block_size
         if self._window is not None:
             usable = min(usable, self._window // self.block_size)
-        return self.prefix.hits(block_hashes(ids, self.block_size)[:usable]) * self.block_size
+        keys = block_hashes(ids, self.block_size) if keys is None else keys
+        return self.prefix.hits(keys[:usable]) * self.block_size
 
     def drop_prefixes(self) -> None:
         """Forget every prefix block and the prompt the caches hold (after a warm-up's made-up prompt)."""
