@@ -103,6 +103,52 @@ def test_store_evicts_least_recently_used_and_a_chain_tail_first():
     assert store.hits([b"x", b"a0"]) == 0
 
 
+def test_store_finds_the_longest_partial_block_after_a_parent():
+    store = PrefixStore(capacity_bytes=3 * 64, block_size=4)
+    store.put(b"p", _block(64), parent=b"", ids=[1, 2, 3, 4])
+    store.put(b"q", _block(64), parent=b"", ids=[1, 2, 7, 8])
+    store.put(b"r", _block(64), parent=b"p", ids=[5, 6, 7, 8])
+    assert store.partial(b"", [1, 2, 7, 9]) == (b"q", 3)
+    assert store.partial(b"", [1, 2, 9]) == (b"p", 2)  # a tie: the oldest
+    assert store.partial(b"p", [5, 6, 7, 8, 9]) == (b"r", 4)
+    assert store.partial(b"", [9, 2]) == (b"", 0) and store.partial(b"other", [1]) == (b"", 0)
+    assert (store.common(b"q", [1, 2, 7, 8, 1]), store.common(b"q", [1, 5]), store.common(b"gone", [1])) == (4, 1, 0)
+    store.put(b"s", _block(64))  # evicts p, the least recently used: no longer a candidate
+    assert b"p" not in store and store.partial(b"", [1, 2, 3]) == (b"q", 2)
+    store.clear()
+    assert store.partial(b"", [1, 2, 7]) == (b"", 0)
+
+
+def test_a_partial_block_is_its_first_positions():
+    store = PrefixStore(capacity_bytes=10**6, block_size=4)
+    k, v = mx.arange(2 * 4 * 3, dtype=mx.float32).reshape(1, 2, 4, 3), mx.ones((1, 2, 4, 3))
+    store.put(b"a", [(k, v)], parent=b"", ids=[1, 2, 3, 4])
+    [(pk, pv)] = store.take_part(b"a", 3)
+    assert pk.shape == pv.shape == (1, 2, 3, 3) and mx.array_equal(pk, k[:, :, :3, :]).item()
+
+
+def test_group_prefill_reuses_a_shared_prefix_that_ends_inside_a_block(model):
+    """Rows sharing a 37-token prefix (2 blocks of 16, then 5 ids): after the first forward (rows 0 and 1,
+    nothing held yet) rows 2 and 3 reuse all 37 tokens (the 2 blocks, then the first 5 positions of row 0's
+    third block: ``PrefixStore.partial``) and share one forward, though row 3 alone could reuse 3 more (its
+    tail begins as row 1's); each row's greedy tokens equal a run without prefix caching."""
+    greedy = GenerateParams(max_tokens=4, logprobs=1, ignore_eos=True)
+    shared, t0, t1, t2 = SHARED[:37], ids(10, 12), ids(11, 12), ids(12, 10)
+    assert len({t0[0], t1[0], t2[0]}) == 3 and t0[0] != t1[0]  # the tails differ from their first id
+    prompts = [shared + t0, shared + t1, shared + t2, shared + t1[:3] + ids(13, 8)]
+    requests = [Request(i, p, greedy) for i, p in enumerate(prompts)]
+    eng = engine(model, exact=False)
+    be = BatchEngine(eng, 2, 256, prefill_batch=True)
+    got = dict(be.run(requests))
+    assert [got[i].cached_prompt_tokens for i in range(4)] == [0, 0, 37, 37]
+    assert be.prefill_counts == {64: 1, 16: 1}
+    assert eng.prefill_tokens == 49 + 49 + 10 + 11
+    ref = dict(BatchEngine(engine(model, gb=0), 2, 256, prefill_batch=True).run(requests))
+    for i in range(4):
+        assert got[i].token_ids == ref[i].token_ids, i
+        assert got[i].logprobs == pytest.approx(ref[i].logprobs, abs=TOL["full"]), i
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_reuse_equals_a_prefill_without_reuse(model, kind):
     shared_engine = engine(model, **KINDS[kind])
@@ -240,8 +286,9 @@ def test_group_prefill_with_reuse_gives_the_same_greedy_tokens(model):
     their rows' full blocks, and requests reusing the same blocks are prefilled together, the blocks loaded
     once for the forward and only the rest computed; each row's greedy tokens equal a run without prefix
     caching. Three slots: the first three rows are admitted together (nothing stored yet, three buckets);
-    when they end, rows 3 and 4 (96 tokens reused, 11 and 14 computed: bucket 16) share one forward and
-    row 5 (32 reused, another block chain) gets its own."""
+    when they end, rows 3 and 4 (SHARED's 100 tokens reused: 6 blocks, then 4 positions of row 0's seventh
+    block; 7 and 10 computed: bucket 16) share one forward and row 5 (2 blocks and 8 positions of row 0's
+    third: another chain) gets its own."""
     greedy = GenerateParams(max_tokens=6, logprobs=2, ignore_eos=True)
     prompts = [SHARED + ids(1, 20), ids(2, 40), ids(3, 30),
                SHARED + ids(4, 7), SHARED + ids(5, 10), SHARED[:40] + ids(6, 9)]
@@ -249,9 +296,9 @@ def test_group_prefill_with_reuse_gives_the_same_greedy_tokens(model):
     eng = engine(model, exact=False)
     be = BatchEngine(eng, 3, 256, prefill_batch=True)
     got = dict(be.run(requests))
-    assert [got[i].cached_prompt_tokens for i in range(6)] == [0, 0, 0, 96, 96, 32]
-    assert eng.prefill_tokens == sum(len(p) for p in prompts) - 224
-    assert be.prefill_counts == {128: 1, 64: 1, 32: 2, 16: 1}
+    assert [got[i].cached_prompt_tokens for i in range(6)] == [0, 0, 0, 100, 100, 40]
+    assert eng.prefill_tokens == sum(len(p) for p in prompts) - 240
+    assert be.prefill_counts == {128: 1, 64: 1, 32: 1, 16: 2}
     assert len(eng.prefix) == 7 + 2 + 1 + 1  # rows 0-2's full blocks, and row 5's third (rows 3, 4: none new)
     ref = dict(BatchEngine(engine(model, gb=0), 3, 256, prefill_batch=True).run(requests))
     for i in range(6):

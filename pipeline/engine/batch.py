@@ -69,12 +69,14 @@ PREFILL_TOKENS = 2048
 
 class Group(NamedTuple):
     """How a request is prefilled together with others (``BatchEngine._bucket``): its tokens after the
-    ``reused`` leading ones padded to ``size``; ``key``: the prefix store's key of its last reused block
-    (requests of one forward reuse the same blocks)."""
+    ``reused`` leading ones padded to ``size``; ``key``: the prefix store's key of its last reused full
+    block (b"": none); ``part``: the key of the held block whose first ``reused % block_size`` positions it
+    reuses after those (b"": none; ``PrefixStore.partial``). Requests of one forward reuse the same KV."""
 
     size: int
     reused: int = 0
     key: bytes = b""
+    part: bytes = b""
 
 
 def device_memory() -> int | None:
@@ -331,18 +333,48 @@ class BatchEngine:
         """The group prefill a request joins, or None (prefilled alone, ``Engine.prefill_prompt``).
 
         Without prefix reuse: its prompt padded to ``prefill_bucket``. With it (prefix caching on and not
-        ``Engine.exact_prefix``, no rotating layer): the part after its reused blocks padded to that part's
-        bucket, grouped with requests reusing the same blocks (loaded once for the whole forward). Where
-        the engine's caches hold this very prompt (the previous sample of a row), alone: it reuses all."""
+        ``Engine.exact_prefix``, no rotating layer): the part after what it reuses padded to that part's
+        bucket, grouped with requests reusing the same KV (loaded once for the whole forward). It reuses
+        its held leading blocks, then the longest run of its next ids that a held block after them begins
+        with (``PrefixStore.partial``; never its last token). Where the engine's caches hold this very
+        prompt (the previous sample of a row), alone: it reuses all."""
         eng = self.engine
-        reused = eng.reusable(d.prompt_ids, self._keys(d) if eng.prefix is not None else None)
+        keys = self._keys(d) if eng.prefix is not None else None
+        reused = eng.reusable(d.prompt_ids, keys)
+        if reused == d.n_prompt and reused:
+            return None
+        part = b""
+        if eng.prefix is not None and not eng.exact_prefix and eng._window is None and reused < d.n_prompt - 1:
+            h = reused // eng.block_size
+            part, m = eng.prefix.partial(keys[h - 1] if h else b"", d.prompt_ids[reused : d.n_prompt - 1])
+            reused += m
         if not reused:
             size = self.prefill_bucket(d.n_prompt)
             return None if size is None else Group(size)
-        if reused == d.n_prompt or eng.exact_prefix or eng._window is not None:
+        if eng.exact_prefix or eng._window is not None:
             return None
         size = self.prefill_bucket(d.n_prompt - reused)
-        return None if size is None else Group(size, reused, self._keys(d)[reused // eng.block_size - 1])
+        h = reused // eng.block_size
+        return None if size is None else Group(size, reused, keys[h - 1] if h else b"", part)
+
+    def _joins(self, d: Decoding, g: Group) -> bool:
+        """Whether request ``d`` can be prefilled in group ``g``'s forward: its own ``_bucket``, or (``g``
+        reusing KV) it begins with what ``g`` reuses (the same leading blocks, then as many ids of ``g``'s
+        partial block) and the rest fits ``g.size``. A request that could reuse a few more tokens recomputes
+        them rather than wait for a forward of its own."""
+        mine = self._bucket(d)
+        if mine == g:
+            return True
+        if mine is None or not mine.reused or not g.reused or d.n_prompt <= g.reused:
+            return False
+        bs = self.engine.block_size
+        h, m = divmod(g.reused, bs)
+        keys = self._keys(d)
+        if h and (len(keys) < h or keys[h - 1] != g.key):
+            return False
+        if m and self.engine.prefix.common(g.part, d.prompt_ids[h * bs : d.n_prompt - 1]) < m:
+            return False
+        return self.prefill_bucket(d.n_prompt - g.reused) == g.size
 
     def _keys(self, d: Decoding) -> list[bytes]:
         """``prefix.block_hashes`` of a request's prompt (computed once per request)."""
@@ -386,11 +418,13 @@ class BatchEngine:
         return caches
 
     def _load_reused(self, group: list[Decoding], g: Group, n_rows: int) -> list:
-        """Group caches of ``g.reused + g.size`` slots per row holding the blocks every request of ``group``
-        reuses (taken from the prefix store once, the same in every row); their ``offset`` is ``g.reused``."""
+        """Group caches of ``g.reused + g.size`` slots per row holding the KV every request of ``group``
+        reuses (its blocks taken from the prefix store once, then the first positions of ``g.part``, the same
+        in every row); their ``offset`` is ``g.reused``."""
         eng = self.engine
+        h, m = divmod(g.reused, eng.block_size)
         caches = self._group_caches(n_rows, g.reused + g.size)
-        blocks = eng.prefix.take(self._keys(group[0])[: g.reused // eng.block_size])
+        blocks = eng.prefix.take(self._keys(group[0])[:h]) + ([eng.prefix.take_part(g.part, m)] if m else [])
         for i, c in enumerate(caches):
             k, v = (mx.concatenate([b[i][j] for b in blocks], axis=2) for j in (0, 1))
             c.load_prefix(mx.broadcast_to(k, (n_rows, *k.shape[1:])), mx.broadcast_to(v, (n_rows, *v.shape[1:])))
@@ -408,18 +442,22 @@ class BatchEngine:
 
     def _store_blocks(self, group: list[Decoding], g: Group, caches) -> None:
         """Hold the full blocks each request of ``group`` (one per row of the group caches, in row order)
-        computed after its ``g.reused`` reused tokens in the prefix store: one copy per layer of the group's
-        computed positions, each block a view of it (``PrefixStore.put_range``)."""
-        bs, P = self.engine.block_size, g.reused
+        completed after its ``g.reused`` reused tokens in the prefix store, with their ids (``partial`` can
+        find them): one copy per layer of the group's positions from the block holding the first computed
+        one, each block a view of it (``PrefixStore.put_range``)."""
+        bs = self.engine.block_size
+        A = g.reused // bs * bs  # the first block not reused whole
         ends = [d.n_prompt // bs * bs for d in group]
-        span = max(ends) - P
+        span = max(ends) - A
         if span <= 0:
             return
-        copies = [(mx.contiguous(c.keys[: len(group), :, P : P + span, :]),
-                   mx.contiguous(c.values[: len(group), :, P : P + span, :])) for c in caches]
+        copies = [(mx.contiguous(c.keys[: len(group), :, A : A + span, :]),
+                   mx.contiguous(c.values[: len(group), :, A : A + span, :])) for c in caches]
         for r, (d, end) in enumerate(zip(group, ends)):
-            if end > P:
-                self.engine.prefix.put_range(self._keys(d)[P // bs : end // bs], copies, row=r)
+            if end > A:
+                keys = self._keys(d)
+                self.engine.prefix.put_range(keys[A // bs : end // bs], copies, row=r,
+                                             parent=keys[A // bs - 1] if A else b"", ids=d.prompt_ids[A:end])
         mx.async_eval(copies)  # now, so the next write into the group caches finds no reader of the old buffer
 
     def _prefill(self, group: list[Decoding], g: Group | None) -> tuple[list, list, list[int]]:
@@ -514,7 +552,7 @@ class BatchEngine:
                         if len(group) == len(free):
                             break
                         key = self._row_key(d)
-                        if (key in rows or len(rows) < self.prefill_rows(size)) and self._bucket(d) == g:
+                        if (key in rows or len(rows) < self.prefill_rows(size)) and self._joins(d, g):
                             group.append(d)
                             pending.remove(d)
                             rows.add(key)
@@ -571,11 +609,15 @@ class BatchEngine:
             self.buffers = bufs
             return logits, greedy, pos
 
-        def sample(fwd):
-            """Queue the sampling of a forward's logits (one batched call for every slot, with the
-            constrained slots' masks from their tokens so far); returns the lazy ``(tokens, positions, extras)``."""
+        def sample(fwd, at=None, allowed=None):
+            """Queue the sampling of a forward's logits (one batched call for every slot; ``at``: the slots as
+            the step saw them, default ``slots``; ``allowed``: the constrained slots' masks, default computed
+            now from their tokens so far); returns the lazy ``(tokens, positions, extras)``."""
             logits, greedy, pos = fwd
-            nxt, extras = sampling.step(slots, logits, greedy, masks.allowed(slots, logits.shape[-1]))
+            at = slots if at is None else at
+            if allowed is None:
+                allowed = masks.allowed(at, logits.shape[-1])
+            nxt, extras = sampling.step(at, logits, greedy, allowed)
             mx.async_eval(nxt, pos, *self.buffers, *sampling.arrays(), *extras.arrays)
             return nxt, pos, extras
 
@@ -588,32 +630,49 @@ class BatchEngine:
         while current is not None:
             # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
             # With a constrained slot, only step t + 1's forward is queued: its sampling needs the masks made
-            # from step t's tokens, computed on the host (llguidance's threads) while that forward runs, and
-            # queued before the host records every slot's token.
-            ahead = None
-            constrained = any(s is not None and s.constraint is not None for s in slots)
+            # from step t's tokens, which llguidance computes on a worker thread (``SlotMasks.start``) while
+            # that forward runs and the host records every slot's token; the constrained slots' grammar
+            # verdicts (``Decoding.settle``) and the masked sampling follow once the masks are in.
+            ahead, deferred = None, False
             if any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots):
                 ahead = forward(current[0], current[1], active)
-                if constrained:
+                deferred = any(s is not None and s.constraint is not None for s in slots)
+                if deferred:
                     mx.async_eval(ahead, *self.buffers)
+                    at = list(slots)  # the slots as step t + 1 sees them
                 else:
                     ahead = sample(ahead)
             toks = current[0].tolist()
-            if constrained and ahead is not None:
-                masks.consume(slots, toks)
-                ahead = sample(ahead)
-            out, changed = [], False
+            if deferred:
+                masks.start(at, toks)
+            out, changed, later = [], False, []
             for b, s in enumerate(slots):
                 if s is None:
                     continue
+                extras = firsts[b] if b in firsts else current[2].get(b, ())
+                if deferred and s.constraint is not None:
+                    later.append((b, s.record(toks[b], extras)))
+                    continue
                 try:
-                    done = s.push(toks[b], firsts[b] if b in firsts else current[2].get(b, ()))
+                    done = s.push(toks[b], extras)
                 except RowError as e:  # its grammar rejected the token
                     done = e
                 if done:
                     out.append((s.tag, done if isinstance(done, RowError) else self._finish(s, done)))
                     slots[b] = None
                     changed = True
+            if deferred:
+                ahead = sample(ahead, at, masks.wait(ahead[0].shape[-1]))
+                for b, recorded in later:
+                    s = slots[b]
+                    try:
+                        done = s.settle(toks[b], recorded)
+                    except RowError as e:  # its grammar rejected the token
+                        done = e
+                    if done:
+                        out.append((s.tag, done if isinstance(done, RowError) else self._finish(s, done)))
+                        slots[b] = None
+                        changed = True
             seated = {}
             if None in slots and (pending or not exhausted):
                 # a new request's prefill overwrites its slot, step t + 1's write included
@@ -623,3 +682,4 @@ class BatchEngine:
             current = entering(seated, ahead) if seated else ahead
             firsts = {b: extras for b, (_, extras) in seated.items()}
             yield from out
+        masks.close()

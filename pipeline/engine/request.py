@@ -112,7 +112,8 @@ class Decoding:
 
     def push(self, tok: int, extras: tuple) -> tuple | None:
         """Record one token read back (``extras``: its logprob arrays); returns ``(finish_reason,
-        stop_token_id, stop_reason)`` if the request ends with it, else None.
+        stop_token_id, stop_reason)`` if the request ends with it, else None: ``settle(tok, record(tok,
+        extras))``.
 
         A stop id ends it with "stop" and is not recorded; a token that completes the structured value
         (the grammar admits no further token) ends it with "stop"; a stop string ends it once
@@ -121,6 +122,13 @@ class Decoding:
         Raises:
             RowError: the structured-output grammar rejects the token (``Constraint.consume``).
         """
+        return self.settle(tok, self.record(tok, extras))
+
+    def record(self, tok: int, extras: tuple) -> tuple | None:
+        """``push`` without the structured-output check (which touches the grammar's matcher, so a batch can
+        record its tokens while llguidance advances the matchers on another thread): records the token and
+        returns how the request ends by stop id, stop string or length (or None); ``settle`` then gives
+        the final answer."""
         if self.t_first is None:
             self.t_first = time.perf_counter()
         if tok in self.stop_ids:
@@ -128,10 +136,6 @@ class Decoding:
         self.tokens.append(tok)
         self.picked.append(extras)
         self.engine.tokens_generated += 1
-        if self.constraint is not None:
-            self.constraint.consume(tok)
-            if self.constraint.stopped:
-                return "stop", None, None
         if self.checker is not None:
             matched = self.checker.push(tok)
             if matched is not None and len(self.tokens) >= self.params.min_tokens:
@@ -139,6 +143,21 @@ class Decoding:
         if len(self.tokens) >= self.max_tokens:
             return "length", None, None
         return None
+
+    def settle(self, tok: int, done: tuple | None) -> tuple | None:
+        """How the request ends after ``record(tok, ...)`` returned ``done``: the grammar's verdict on ``tok``
+        comes first (a rejected token raises, a complete value ends it with "stop"), then ``done``. A stop
+        id is never given to the grammar.
+
+        Raises:
+            RowError: the structured-output grammar rejects the token (``Constraint.consume``).
+        """
+        if self.constraint is None or (done is not None and done[1] is not None):
+            return done
+        self.constraint.consume(tok)
+        if self.constraint.stopped:
+            return "stop", None, None
+        return done
 
     def finish(self, done: tuple, *, compiled: bool, fused: bool = False) -> Generation:
         """The finished ``Generation`` (logprobs and text filled in) for ``done`` as ``push`` returned it."""

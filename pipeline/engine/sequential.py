@@ -185,7 +185,8 @@ class Engine:
             full = n // B if self._window is None else min(n, self._window) // B
             if full * B > start:
                 copies = [c.stored_copy(start, full * B) for c in self.cache]
-                store.put_range(keys[start // B : full], copies)
+                store.put_range(keys[start // B : full], copies, parent=keys[start // B - 1] if start else b"",
+                                ids=ids[start : full * B])
                 mx.async_eval(copies)  # now, so the next write into the caches finds no reader of the old buffer
             self._last = (list(ids), logits)
             return logits, len(blocks) * B

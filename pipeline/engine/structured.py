@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,6 +202,11 @@ class Constraint:
 class SlotMasks:
     """The masks of every slot of a batch, computed together by llguidance's thread pool.
 
+    ``start`` hands one step's work (advancing each constrained slot's matcher by its token, then the next
+    masks) to a worker thread and returns at once, so the host records the step's tokens (``Decoding.record``)
+    while llguidance runs with the GIL released; ``wait`` returns the masks. Between the two, nothing but
+    the worker may touch those slots' matchers.
+
     Args:
         B: slots.
     """
@@ -209,30 +215,61 @@ class SlotMasks:
         self.B = B
         self.executor: llguidance.LLExecutor | None = None
         self.bitmask: np.ndarray | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._job: Future | None = None
 
     def _executor(self) -> llguidance.LLExecutor:
         if self.executor is None:
             self.executor = llguidance.LLExecutor()
         return self.executor
 
-    def consume(self, slots, tokens: list[int]) -> None:
-        """Advance every constrained slot's matcher by its token ``tokens[b]``, all in parallel, ahead of
-        ``Decoding.push`` (which then records the token and takes the verdict, ``Constraint.consume``), so
-        the next masks can be computed before the host records every slot. A stop id is left to ``push``:
-        it ends its row unconsumed."""
-        rows = [(d.constraint, tokens[b]) for b, d in enumerate(slots)
-                if d is not None and d.constraint is not None and tokens[b] not in d.stop_ids]
-        if not rows:
-            return
-        oks = llnp.consume_token_par(self._executor(), [(c.matcher, t) for c, t in rows])
-        for (c, t), ok in zip(rows, oks):
-            c.ahead = (t, ok)
+    def start(self, slots, tokens: list[int]) -> None:
+        """Begin, on the worker thread, advancing every constrained slot's matcher by its token ``tokens[b]``
+        (all in parallel, ``consume_token_par``; a stop id is left unconsumed: it ends its row) and then
+        computing the masks of the slots' next tokens (``allowed``'s). ``Constraint.consume`` takes the
+        verdicts after ``wait``. ``slots``: each slot's ``Decoding`` or None, as the step saw them."""
+        if self._job is not None:
+            raise RuntimeError("SlotMasks.start: the previous step's masks were not waited for")
+        constraints = [(d.constraint, b) for b, d in enumerate(slots) if d is not None and d.constraint is not None]
+        feed = [(c, tokens[b]) for (c, b), d in zip(constraints, (slots[b] for _, b in constraints))
+                if tokens[b] not in d.stop_ids]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline-masks")
+        self._job = self._pool.submit(self._work, constraints, feed)
+
+    def _work(self, constraints, feed) -> list:
+        if feed:
+            oks = llnp.consume_token_par(self._executor(), [(c.matcher, t) for c, t in feed])
+            for (c, t), ok in zip(feed, oks):
+                c.ahead = (t, ok)
+        return self._fill(constraints)
+
+    def wait(self, vocab: int) -> mx.array | None:
+        """The masks ``start`` began, as ``allowed`` returns them (None: no constrained slot).
+
+        Raises:
+            Exception: whatever llguidance raised on the worker thread.
+        """
+        job, self._job = self._job, None
+        rows = job.result()
+        return self._finish(rows, vocab)
+
+    def close(self) -> None:
+        """Stop the worker thread (after the job in flight, if any)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def allowed(self, slots, vocab: int) -> mx.array | None:
         """``(B, vocab)`` bool of the tokens each slot may take next (every token for a slot without a
         constraint, or whose matcher has stopped or failed: that row ends at its last token), or None when
         no slot has one (unconstrained batches pay nothing). ``slots``: each slot's ``Decoding`` or None."""
         constraints = [(d.constraint, b) for b, d in enumerate(slots) if d is not None and d.constraint is not None]
+        return self._finish(self._fill(constraints), vocab)
+
+    def _fill(self, constraints: list) -> list | None:
+        """The bitmask rows of ``constraints`` (``(Constraint, slot)``) filled by llguidance (-1: every token,
+        for a matcher that has stopped or failed); returns the rows filled, or None without constraints."""
         if not constraints:
             return None
         rows = [(c, b) for c, b in constraints if not (c.matcher.is_stopped() or c.matcher.is_error())]
@@ -242,6 +279,11 @@ class SlotMasks:
         self.bitmask.fill(-1)
         if rows:
             llnp.fill_next_token_bitmask_par(self._executor(), [(c.matcher, b) for c, b in rows], self.bitmask)
+        return rows
+
+    def _finish(self, rows: list | None, vocab: int) -> mx.array | None:
+        if rows is None:
+            return None
         for c, b in rows:
             c.fix_stops(self.bitmask[b])
         return allowed_tokens(self.bitmask, vocab)
