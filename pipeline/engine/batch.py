@@ -41,6 +41,7 @@ generic step (``path`` "generic") stays everywhere else, and on CUDA the reason 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
@@ -645,7 +646,20 @@ class BatchEngine:
             toks = current[0].tolist()
             if deferred:
                 masks.start(at, toks)
-            out, changed, later = [], False, []
+            out, later = [], []
+
+            def end(b: int, step) -> None:
+                """Slot ``b``'s verdict on its token (``step()``: its ``push`` or ``settle``): a finished request
+                leaves its slot."""
+                s = slots[b]
+                try:
+                    done = step()
+                except RowError as e:  # its grammar rejected the token
+                    done = e
+                if done:
+                    out.append((s.tag, done if isinstance(done, RowError) else self._finish(s, done)))
+                    slots[b] = None
+
             for b, s in enumerate(slots):
                 if s is None:
                     continue
@@ -653,26 +667,12 @@ class BatchEngine:
                 if deferred and s.constraint is not None:
                     later.append((b, s.record(toks[b], extras)))
                     continue
-                try:
-                    done = s.push(toks[b], extras)
-                except RowError as e:  # its grammar rejected the token
-                    done = e
-                if done:
-                    out.append((s.tag, done if isinstance(done, RowError) else self._finish(s, done)))
-                    slots[b] = None
-                    changed = True
+                end(b, functools.partial(s.push, toks[b], extras))
             if deferred:
                 ahead = sample(ahead, at, masks.wait(ahead[0].shape[-1]))
                 for b, recorded in later:
-                    s = slots[b]
-                    try:
-                        done = s.settle(toks[b], recorded)
-                    except RowError as e:  # its grammar rejected the token
-                        done = e
-                    if done:
-                        out.append((s.tag, done if isinstance(done, RowError) else self._finish(s, done)))
-                        slots[b] = None
-                        changed = True
+                    end(b, functools.partial(slots[b].settle, toks[b], recorded))
+            changed = bool(out)  # a request ended: its slot is free
             seated = {}
             if None in slots and (pending or not exhausted):
                 # a new request's prefill overwrites its slot, step t + 1's write included
