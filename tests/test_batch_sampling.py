@@ -204,6 +204,38 @@ def test_cuda_sampling_kernel_equals_the_mlx_ops(vocab, monkeypatch):
     assert same == total, f"{total - same} of {total} tokens differ"
 
 
+@pytest.mark.skipif(cuda_sample.sample_kernel(mx.zeros((1, 4))) is None, reason="the CUDA sampling kernel (MLX CUDA)")
+def test_cuda_binned_cut_hands_on_only_rows_it_cannot_cut(monkeypatch):
+    """The binned cut (histogram, then the cut bin's tokens sorted in shared memory) hands a row on to the radix
+    passes only where the cut bin holds more than CAP tokens or the max is infinite, and every row's token is
+    the MLX ops' (binned on or off)."""
+    vocab = 128256
+    rng = np.random.default_rng(5)
+    x = (rng.normal(size=(8, vocab)) * 1.25).astype(np.float32)
+    x[1] = 0.25  # every token in bin 0: handed on
+    x[2, :6000] = x[2].max() + 2  # 6,000 tokens tied at the top: handed on
+    x[3] = x[3].astype(np.float16).astype(np.float32)  # ties at the cut, split by id in shared memory
+    x[4, :3000] = x[4].max() + 1 + rng.uniform(0, 1 / 64, 3000).astype(np.float32)  # ~1,500 tokens a bin, sorted
+    x[5, :100] += 12  # peaked, as a trained model's rows
+    x[6, 7] = np.inf  # an infinite max: handed on
+    x[7][rng.random(vocab) < 0.5] = -np.inf  # a grammar's mask
+    top_k = mx.array(np.array([vocab, vocab, vocab, 50, vocab, 20, vocab, vocab], np.int32)[:, None])
+    top_p = mx.array(np.array([0.95, 0.5, 0.9, 0.95, 0.5, 0.9, 0.9, 0.8], np.float32)[:, None])
+    min_p = mx.zeros((8, 1))
+    u = mx.array(rng.random((8, 1)).astype(np.float32))
+    first = np.array(cuda_sample.launch(1, cuda_sample._inputs(mx.array(x), top_k, top_p, min_p, u)))
+    assert (first == 0xFFFFFFFF).tolist() == [False, True, True, False, False, False, True, False]
+    got = np.array(sample_tokens(mx.array(x), top_k, top_p, min_p, u, True))
+    assert np.array_equal(got[first != 0xFFFFFFFF], first[first != 0xFFFFFFFF])
+    monkeypatch.setattr(cuda_sample, "BINNED", False)
+    radix = np.array(sample_tokens(mx.array(x), top_k, top_p, min_p, u, True))
+    monkeypatch.setattr(cuda_sample, "ENABLED", False)
+    ref = np.array(sample_tokens(mx.array(x), top_k, top_p, min_p, u, True))
+    assert got.tolist() == ref.tolist() and radix.tolist() == ref.tolist()
+    for b in (0, 3, 4, 5, 7):  # and the kept set is the definition's
+        assert got[b] in kept_reference(x[b], int(top_k[b, 0].item()), float(top_p[b, 0].item()), 0.0), b
+
+
 def test_neutral_penalties_and_suppress_leave_logits_bitwise_unchanged():
     x = np.random.default_rng(0).normal(size=(4, 512)).astype(np.float32) * 50
     x[:, :6] = [0.0, -0.0, -np.inf, np.inf, 1e-38, -3e38]

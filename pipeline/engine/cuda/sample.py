@@ -1,9 +1,10 @@
 """The sampling kernel (``kernels/sample.cu``): min_p, top_k, top_p and the draw of every row in one launch
-on MLX's CUDA backend, the same token as ``sampler.keep_mask`` and ``sampler.draw`` for the same masses.
+(two where filters are on: the binned cut, then radix passes for the rows it hands on) on MLX's CUDA backend, the same token as ``sampler.keep_mask`` and ``sampler.draw`` for the same masses.
 
 Why: on an H200 (Llama-3.2-1B shape, fp16, B=256, temperature 0.8 and top_p 0.95) the sort-based filter
 (argsort of each row, a gather, two softmaxes and scans) made sampling 0.51x as fast as greedy decoding;
-temperature alone was 0.89x (docs/BENCHMARKS.md). The kernel reads each row a few times and sorts nothing.
+temperature alone was 0.89x (docs/BENCHMARKS.md). The kernel reads each row a few times and sorts nothing
+but the few tokens of one histogram bin.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from .sources import fill
 
 THREADS = 1024
 ENABLED = True  # False: the MLX ops everywhere (tests compare the two)
+BINNED = True  # False: every cut by radix passes over the row (the binned cut hands rows on to them where it must)
+BINS, BIN_SCALE, CAP = 4096, 128, 4096  # bins of 1/128 logit over m - x in [0, 32); tokens gathered per cut
 _kernels: dict = {}
 
 
@@ -27,13 +30,21 @@ def sample_kernel(x: mx.array):
     return _call
 
 
-def _kernel(vocab: int, filters: bool):
-    k = _kernels.get((vocab, filters))
+def _kernel(vocab: int, filters: bool, mode: int):
+    """The kernel for ``vocab`` and ``filters`` in ``mode`` (``kernels/sample.cu``): 0 radix passes for every
+    cut; 1 the binned cut, rows it cannot cut handed on as token 0xffffffff; 2 those rows by radix passes
+    (an input ``first``: mode 1's tokens), the others copied."""
+    key = (vocab, filters, mode)
+    k = _kernels.get(key)
     if k is None:
-        src = fill("sample.cu", "body", vocab=vocab, threads=THREADS, filters=int(filters))
-        k = _kernels[(vocab, filters)] = mx.fast.cuda_kernel(
-            name="pl_sample", input_names=["x", "top_k_in", "top_p_in", "min_p_in", "u"], output_names=["token"],
-            source=src, header=fill("sample.cu", "header"))
+        names = ["x", "top_k_in", "top_p_in", "min_p_in", "u"] + (["first"] if mode == 2 else [])
+        prologue = ("  if (first[b] != 0xffffffffu) {\n    if (threadIdx.x == 0) token[b] = first[b];\n    return;\n  }\n"
+                    if mode == 2 else "")
+        src = fill("sample.cu", "body", vocab=vocab, threads=THREADS, filters=int(filters), mode=mode,
+                   prologue=prologue, bins=BINS, bin_scale=BIN_SCALE, cap=CAP)
+        k = _kernels[key] = mx.fast.cuda_kernel(
+            name=f"pl_sample{mode}", input_names=names, output_names=["token"], source=src,
+            header=fill("sample.cu", "header"))
     return k
 
 
@@ -43,9 +54,22 @@ def _column(a, dtype: mx.Dtype, rows: int) -> mx.array:
     return mx.broadcast_to(a.astype(dtype).reshape(-1, 1), (rows, 1))
 
 
+def _inputs(x: mx.array, top_k, top_p, min_p, u: mx.array) -> list[mx.array]:
+    rows = x.shape[0]
+    return [x, _column(top_k, mx.int32, rows), _column(top_p, mx.float32, rows), _column(min_p, mx.float32, rows),
+            _column(u, mx.float32, rows)]
+
+
+def launch(mode: int, inputs: list[mx.array], filters: bool = True) -> mx.array:
+    """One launch of the kernel in ``mode`` (``_kernel``) over ``inputs`` (``x``, ``top_k``, ``top_p``, ``min_p``,
+    ``u`` as ``(rows, 1)`` columns, and for mode 2 mode 1's tokens) -> ``(rows,)`` uint32."""
+    rows, vocab = inputs[0].shape
+    return _kernel(vocab, filters, mode)(inputs=inputs, grid=(rows * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+                                         output_shapes=[(rows,)], output_dtypes=[mx.uint32])[0]
+
+
 def _call(x: mx.array, top_k, top_p, min_p, u: mx.array, filters: bool) -> mx.array:
-    rows, vocab = x.shape
-    inputs = [x, _column(top_k, mx.int32, rows), _column(top_p, mx.float32, rows), _column(min_p, mx.float32, rows),
-              _column(u, mx.float32, rows)]
-    return _kernel(vocab, filters)(inputs=inputs, grid=(rows * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-                                   output_shapes=[(rows,)], output_dtypes=[mx.uint32])[0]
+    inputs = _inputs(x, top_k, top_p, min_p, u)
+    if not (filters and BINNED):
+        return launch(0, inputs, filters)
+    return launch(2, inputs + [launch(1, inputs)])

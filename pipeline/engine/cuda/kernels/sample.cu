@@ -3,11 +3,15 @@
 // ops of pipeline/engine/sampler.py (token_mass, keep_mask, draw) for the same masses. Masses are int64 fixed
 // point (floor(exp(x - max) * 2^40)), so every sum is exact in any order. top_k (B, 1) int32, top_p and min_p
 // (B, 1) float32 (off: vocab, 2, 0), u (B, 1) float32 uniform in [0, 1); out: token (B,) uint32. The ranking is
-// the stable descending sort's (larger value first, ties by lower id); a filter's cut is found by radix
-// selection, 4 bits per pass (16 counters per thread in registers, block-reduced), over the order-preserving
-// uint32 key of x and, where the cut splits tokens of equal value, over their ids; it counts tokens (top_k)
-// or sums kept mass (top_p). $filters: 0 skips the filters (every token kept). Filled in by
-// pipeline/engine/cuda/sample.py.
+// the stable descending sort's (larger value first, ties by lower id). A filter's cut (the rank where the
+// count of tokens, top_k, or the kept mass, top_p, from the top reaches its target) is found in one of two ways:
+// binned ($mode 1): a histogram of the amounts over bins of max - x in shared memory, then the cut bin's tokens
+// gathered, sorted (bitonic) and scanned: three passes over the row; or by radix selection ($mode 0 and 2),
+// 4 bits per pass (16 counters per thread in registers, block-reduced) over the order-preserving uint32 key
+// of x and, where the cut splits tokens of equal value, over their ids: 8 to 13 passes. Mode 1 hands the rows
+// it cannot cut (a cut bin of more than $cap tokens, an infinite max) on as token 0xffffffff; mode 2 cuts
+// those rows by radix passes and copies the others (two kernels, so that mode 1 keeps its 32 registers and two
+// blocks per SM). $filters: 0 skips the filters (every token kept). Filled in by pipeline/engine/cuda/sample.py.
 //@ header
 #define PL_FULL 0xffffffffu
 #define PL_NEG_INF __int_as_float(0xff800000)
@@ -35,13 +39,36 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
 
   constexpr int V = $vocab, NT = $threads, NW = NT / 32, CH = (V + NT - 1) / NT, IBITS = 20;
   static_assert(V <= (1 << IBITS), "vocabulary too large for the index passes");
+  static_assert($bins % NT == 0 && ($bins & ($bins - 1)) == 0, "bins: a power of two, a multiple of the threads");
   __shared__ long long red[NW * 16];
   __shared__ float redf[NW];
   __shared__ unsigned int s_prefix;
   __shared__ long long s_base, s_bin, s_target;
-  __shared__ int s_found;
+  __shared__ int s_found, s_n;
+  __shared__ unsigned long long s_entry;
+  __shared__ unsigned long long cand[$cap > $bins ? $cap : $bins];  // select_binned's histogram, then its tokens
   const int b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const float* row = x + static_cast<size_t>(b) * V;
+$prologue  const float* row = x + static_cast<size_t>(b) * V;
+
+  // The exclusive prefix of s over the threads in order, and the block's total in total (red[0..NW) reused).
+  auto block_scan = [&](long long s, long long& total) -> long long {
+    long long incl = s;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const long long v = __shfl_up_sync(PL_FULL, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (lane == 31) red[warp] = incl;
+    __syncthreads();
+    long long before = 0;
+    total = 0;
+    for (int w = 0; w < NW; ++w) {
+      if (w < warp) before += red[w];
+      total += red[w];
+    }
+    __syncthreads();
+    return before + incl - s;
+  };
 
   // the row's max
   float mval = PL_NEG_INF;
@@ -182,9 +209,125 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
     return true;
   };
 
+  // The same cut in fewer passes over the row: a histogram of the amounts over bins of m - x (1/$bin_scale of a
+  // logit each, monotone in x; the last bin holds the rest: m - x >= $bins / $bin_scale, where exp underflows
+  // the fixed point), the bin where the amount from the top reaches target, then its tokens gathered into
+  // shared memory, sorted by rank (bitonic) and scanned. The same (K, I) as select() up to ties of zero amount,
+  // which neither filter nor the draw can tell apart. 1: found, 0: not reached, -1: the bin holds more than
+  // $cap tokens (the caller runs select()).
+  auto select_binned = [&](bool by_mass, long long target, unsigned int& K_out, int& I_out) -> int {
+    constexpr int NB = $bins, CAP = $cap;
+    const bool of_total = target < 0;
+    auto amount = [&](float xv, unsigned int key, int i) -> long long {
+      if (!by_mass) return 1;
+      const float w = weight(xv);
+      return first_kept(xv, key, i, w) ? mass_of(w) : 0;
+    };
+    auto bin_of = [&](float xv) -> int {
+      const float d = (m - xv) * static_cast<float>($bin_scale);
+      return d < static_cast<float>(NB - 1) ? static_cast<int>(d) : NB - 1;  // NaN: the last bin
+    };
+    for (int j = t; j < NB; j += NT) cand[j] = 0ull;
+    __syncthreads();
+    for (int i = t; i < V; i += NT) {
+      const float xv = row[i];
+      const long long a = amount(xv, pl_key(xv), i);
+      if (a != 0) atomicAdd(&cand[bin_of(xv)], static_cast<unsigned long long>(a));
+    }
+    __syncthreads();
+    // each thread scans its NB / NT bins in order; the block scan finds the bin where the amount reaches target
+    constexpr int BPT = NB / NT;
+    long long s = 0;
+#pragma unroll
+    for (int j = 0; j < BPT; ++j) s += static_cast<long long>(cand[t * BPT + j]);
+    long long total;
+    const long long excl = block_scan(s, total);
+    if (of_total) target = pl_scale(total, frac);
+    if (t == 0) s_found = 0;
+    __syncthreads();
+    if (excl < target && target <= excl + s) {
+      long long run = excl;
+#pragma unroll
+      for (int j = 0; j < BPT; ++j) {
+        const long long h = static_cast<long long>(cand[t * BPT + j]);
+        if (run + h >= target) { s_bin = t * BPT + j; s_base = run; break; }
+        run += h;
+      }
+      s_found = 1;
+    }
+    __syncthreads();
+    if (!s_found) return 0;
+    const int cut = static_cast<int>(s_bin);
+    const long long need = target - s_base;  // 0 < need <= the cut bin's amount
+    if (t == 0) s_n = 0;
+    __syncthreads();
+    for (int i = t; i < V; i += NT) {
+      const float xv = row[i];
+      if (bin_of(xv) != cut) continue;
+      const int slot = atomicAdd(&s_n, 1);
+      if (slot < CAP) cand[slot] = (static_cast<unsigned long long>(pl_key(xv)) << 32) | (0xffffffffu - static_cast<unsigned int>(i));
+    }
+    __syncthreads();
+    const int n = s_n;
+    if (n > CAP) return -1;
+    int P = 1;
+    while (P < n) P <<= 1;
+    for (int j = n + t; j < P; j += NT) cand[j] = 0ull;  // padding ranks last
+    __syncthreads();
+    for (int k = 2; k <= P; k <<= 1) {  // bitonic sort, descending: rank order (larger key, then lower id)
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int i = t; i < P; i += NT) {
+          const int l = i ^ j;
+          if (l > i) {
+            const unsigned long long a = cand[i], c = cand[l];
+            if (((i & k) == 0) ? a < c : a > c) { cand[i] = c; cand[l] = a; }
+          }
+        }
+        __syncthreads();
+      }
+    }
+    const int per = (n + NT - 1) / NT, lo = t * per, hi = min(n, lo + per);
+    auto entry_amount = [&](int e) -> long long {
+      const unsigned long long c = cand[e];
+      const unsigned int key = static_cast<unsigned int>(c >> 32);
+      return amount(pl_unkey(key), key, static_cast<int>(0xffffffffu - static_cast<unsigned int>(c)));
+    };
+    long long es = 0;
+    for (int e = lo; e < hi; ++e) es += entry_amount(e);
+    long long etotal;
+    const long long eexcl = block_scan(es, etotal);
+    if (eexcl < need && need <= eexcl + es) {
+      long long run = eexcl;
+      for (int e = lo; e < hi; ++e) {
+        run += entry_amount(e);
+        if (run >= need) { s_entry = cand[e]; break; }
+      }
+    }
+    __syncthreads();
+    K_out = static_cast<unsigned int>(s_entry >> 32);
+    I_out = static_cast<int>(0xffffffffu - static_cast<unsigned int>(s_entry));
+    __syncthreads();
+    return 1;
+  };
+  // $mode 1: the binned cut, or the row handed on (token 0xffffffff) where it cannot be used; 2: the rows handed
+  // on (first, the tokens of mode 1) by radix passes, the others copied; 0: radix passes everywhere.
+  bool handed_on = false;
+  auto cut_at = [&](bool by_mass, long long target, unsigned int& K, int& I) -> bool {
+    if ($mode == 1) {
+      const int r = inf_max ? -1 : select_binned(by_mass, target, K, I);
+      handed_on = r < 0;
+      return r == 1;
+    }
+    return select(by_mass, target, K, I);
+  };
+
   if ($filters) {
-    if (top_k < V) k_on = select(false, static_cast<long long>(top_k < 1 ? 1 : top_k), kK, kI);
-    if (frac < 16777216ll) p_on = select(true, -1, pK, pI);  // the first pass sums the kept mass too
+    if (top_k < V) k_on = cut_at(false, static_cast<long long>(top_k < 1 ? 1 : top_k), kK, kI);
+    if (!handed_on && frac < 16777216ll) p_on = cut_at(true, -1, pK, pI);  // the first pass sums the kept mass too
+    if (handed_on) {
+      if (t == 0) token[b] = 0xffffffffu;
+      return;
+    }
   }
 
   // the draw: each thread sums a contiguous chunk of kept mass; a block scan finds the chunk holding the target
@@ -198,21 +341,9 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
   const int lo = t * CH, hi = min(V, lo + CH);
   long long s = 0;
   for (int i = lo; i < hi; ++i) s += kept_mass(i);
-  long long incl = s;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const long long v = __shfl_up_sync(PL_FULL, incl, o);
-    if (lane >= o) incl += v;
-  }
   if (t == 0) token[b] = 0u;
-  if (lane == 31) red[warp] = incl;
-  __syncthreads();
-  long long before = 0, total = 0;
-  for (int w = 0; w < NW; ++w) {
-    if (w < warp) before += red[w];
-    total += red[w];
-  }
-  const long long excl = before + incl - s;
+  long long total;
+  const long long excl = block_scan(s, total);
   const long long target = pl_scale(total, static_cast<long long>(u[b] * 16777216.0f));
   if (excl <= target && target < excl + s) {
     long long run = excl;
