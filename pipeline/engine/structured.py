@@ -155,31 +155,43 @@ class Constraint:
         if fresh.is_error():
             raise RowError(f"structured.{params.key}: {one_line(fresh.get_error())}")
         self.matcher = fresh.deep_copy()
-        self.ahead: tuple[int, bool] | None = None  # (token, accepted): consumed early by ``SlotMasks.consume``
+        # (token, accepted, stopped, error): the matcher advanced by ``SlotMasks.start``'s worker, its verdict
+        # read there, so that ``consume`` and ``stopped`` need not touch the matcher while the worker masks it
+        self.ahead: tuple[int, bool, bool, str] | None = None
+        self._stopped: bool | None = None  # the worker's ``is_stopped`` after the last consumed token
         self.words = (tok.vocab_size + 31) // 32
         self.eos = tok.eos_tokens[0]
         self.extra_stops = sorted(i for i in stop_ids if i not in tok.eos_tokens and i < tok.vocab_size)
 
     def consume(self, token: int) -> None:
-        """Advance the matcher by one generated token (or take the verdict of ``SlotMasks.consume``, which
-        advanced it by this token already).
+        """Advance the matcher by one generated token (or take the verdict ``verdict`` kept where
+        ``SlotMasks.start``'s worker advanced it by this token already).
 
         Raises:
             RowError: the grammar rejects it (the mask allowed it only if the matcher is broken) or the
                 matcher met a limit (llguidance's parser limits).
         """
         if self.ahead is not None:
-            assert self.ahead[0] == token, (self.ahead, token)
-            ok, self.ahead = self.ahead[1], None
+            seen, ok, self._stopped, error = self.ahead
+            assert seen == token, (self.ahead, token)
+            self.ahead = None
         else:
-            ok = self.matcher.consume_token(token)
-        if not ok or self.matcher.is_error():
-            raise RowError(f"structured output: {one_line(self.matcher.get_error()) or f'token {token} rejected'}")
+            self._stopped = None
+            ok = self.matcher.consume_token(token) and not self.matcher.is_error()
+            error = "" if ok else self.matcher.get_error()
+        if not ok:
+            raise RowError(f"structured output: {one_line(error) or f'token {token} rejected'}")
+
+    def verdict(self, token: int, ok: bool) -> None:
+        """Keep the matcher's verdict on ``token``, which it has just consumed (``ok``: ``consume_token``'s
+        answer) for ``consume`` (on the thread that advanced it)."""
+        ok = ok and not self.matcher.is_error()
+        self.ahead = (token, ok, self.matcher.is_stopped(), "" if ok else self.matcher.get_error())
 
     @property
     def stopped(self) -> bool:
         """The grammar admits no further token: the value is complete."""
-        return self.matcher.is_stopped()
+        return self.matcher.is_stopped() if self._stopped is None else self._stopped
 
     def fix_stops(self, row: np.ndarray) -> None:
         """Give the request's non-EOS stop ids the EOS bit of ``row`` (one mask, ``(words,)`` int32)."""
@@ -204,8 +216,10 @@ class SlotMasks:
 
     ``start`` hands one step's work (advancing each constrained slot's matcher by its token, then the next
     masks) to a worker thread and returns at once, so the host records the step's tokens (``Decoding.record``)
-    while llguidance runs with the GIL released; ``wait`` returns the masks. Between the two, nothing but
-    the worker may touch those slots' matchers.
+    while llguidance runs with the GIL released; ``consumed`` returns once the matchers have advanced (their
+    verdicts kept in ``Constraint.ahead``: the host settles the step and admits new requests while the masks
+    are computed), ``wait`` returns the masks. Between ``start`` and ``wait``, nothing but the worker may
+    touch those slots' matchers.
 
     Args:
         B: slots.
@@ -217,6 +231,7 @@ class SlotMasks:
         self.bitmask: np.ndarray | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._job: Future | None = None
+        self._consumed: Future | None = None
 
     def _executor(self) -> llguidance.LLExecutor:
         if self.executor is None:
@@ -235,14 +250,28 @@ class SlotMasks:
                 if tokens[b] not in d.stop_ids]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline-masks")
-        self._job = self._pool.submit(self._work, constraints, feed)
+        self._consumed = Future()
+        self._job = self._pool.submit(self._work, constraints, feed, self._consumed)
 
-    def _work(self, constraints, feed) -> list:
-        if feed:
-            oks = llnp.consume_token_par(self._executor(), [(c.matcher, t) for c, t in feed])
-            for (c, t), ok in zip(feed, oks):
-                c.ahead = (t, ok)
+    def _work(self, constraints, feed, consumed: Future) -> list:
+        try:
+            if feed:
+                oks = llnp.consume_token_par(self._executor(), [(c.matcher, t) for c, t in feed])
+                for (c, t), ok in zip(feed, oks):
+                    c.verdict(t, ok)
+        except BaseException as e:
+            consumed.set_exception(e)
+            raise
+        consumed.set_result(None)
         return self._fill(constraints)
+
+    def consumed(self) -> None:
+        """Return once ``start``'s matchers have advanced (``Constraint.consume`` may take their verdicts).
+
+        Raises:
+            Exception: whatever llguidance raised on the worker thread.
+        """
+        self._consumed.result()
 
     def wait(self, vocab: int) -> mx.array | None:
         """The masks ``start`` began, as ``allowed`` returns them (None: no constrained slot).
