@@ -5,7 +5,8 @@ prompts of PROMPT tokens, exactly MAX new tokens each (EOS ignored), through ``B
 size B: greedy, temperature 0.8 / top_p 0.95, and temperature 0.8 alone, interleaved, median of TRIALS after
 a warm-up of each. Kernel: ``sampler.sample_tokens`` on B x vocab float32 rows (flat: random normal logits
 of a random-weights model's spread; peaked: a real model's, a few tokens far above the rest), top_p 0.95,
-with the binned cut (``cuda.sample.BINNED``) on and off, median ms of 20 launches.
+with the binned cut (``cuda.sample.BINNED``) and 16-byte loads (``VEC``) on and off, median ms of 20 launches,
+also with temperature only (no filters).
 
 Usage (from the repository root)::
 
@@ -43,21 +44,22 @@ def job(engine, prompts, b, max_tokens, setting):
     return n / (time.perf_counter() - t0)
 
 
-def kernel_ms(rows, vocab, peaked, binned, launches=20):
+def kernel_ms(rows, vocab, peaked, binned, vec, top_p=0.95, launches=20):
     rng = np.random.default_rng(1)
     x = rng.normal(size=(rows, vocab)).astype(np.float32) * 1.25
     if peaked:
         x[:, :vocab // 1000] += 12 + 4 * rng.random((rows, vocab // 1000))
     x = mx.array(x)
     u = mx.array(rng.random((rows, 1)).astype(np.float32))
-    cuda_sample.BINNED = binned
-    mx.eval(sample_tokens(x, vocab, 0.95, 0.0, u, True))
+    cuda_sample.BINNED, cuda_sample.VEC = binned, vec
+    filters = top_p < 1
+    mx.eval(sample_tokens(x, vocab, top_p, 0.0, u, filters))
     times = []
     for _ in range(launches):
         t0 = time.perf_counter()
-        mx.eval(sample_tokens(x, vocab, 0.95, 0.0, u, True))
+        mx.eval(sample_tokens(x, vocab, top_p, 0.0, u, filters))
         times.append((time.perf_counter() - t0) * 1e3)
-    cuda_sample.BINNED = True
+    cuda_sample.BINNED = cuda_sample.VEC = True
     return statistics.median(times)
 
 
@@ -77,11 +79,16 @@ def main():
     out = {"kernel_ms": {}}
     if cuda_sample.sample_kernel(mx.zeros((1, 4))) is not None:
         for peaked in (False, True):
-            for binned in (True, False):
-                ms = kernel_ms(a.batch_size, vocab, peaked, binned)
-                out["kernel_ms"][f"{'peaked' if peaked else 'flat'} binned={binned}"] = ms
-                print(f"kernel {a.batch_size} x {vocab} {'peaked' if peaked else 'flat'} binned={binned}: {ms:.3f} ms",
-                      flush=True)
+            for binned, vec in ((True, True), (True, False), (False, False)):
+                ms = kernel_ms(a.batch_size, vocab, peaked, binned, vec)
+                name = f"{'peaked' if peaked else 'flat'} binned={binned} vec={vec}"
+                out["kernel_ms"][name] = ms
+                print(f"kernel {a.batch_size} x {vocab} {name}: {ms:.3f} ms", flush=True)
+            for vec in (True, False):
+                ms = kernel_ms(a.batch_size, vocab, peaked, True, vec, top_p=1.0)
+                name = f"{'peaked' if peaked else 'flat'} no filters vec={vec}"
+                out["kernel_ms"][name] = ms
+                print(f"kernel {a.batch_size} x {vocab} {name}: {ms:.3f} ms", flush=True)
     if not a.no_job:
         engine = Engine(bm.model, eos_token_ids=[], context_length=a.prompt_tokens + a.max_tokens + 8)
         prompts = distinct_prompts(np.random.default_rng(0), a.rows, a.prompt_tokens, vocab)

@@ -17,6 +17,7 @@ THREADS = 1024
 ENABLED = True  # False: the MLX ops everywhere (tests compare the two)
 BINNED = True  # False: every cut by radix passes over the row (the binned cut hands rows on to them where it must)
 BINS, BIN_SCALE, CAP = 4096, 128, 4096  # bins of 1/128 logit over m - x in [0, 32); tokens gathered per cut
+VEC, UNROLL = True, 4  # 16-byte loads (where the vocabulary is a multiple of 4), UNROLL of them in flight a thread
 _kernels: dict = {}
 
 
@@ -34,16 +35,16 @@ def _kernel(vocab: int, filters: bool, mode: int):
     """The kernel for ``vocab`` and ``filters`` in ``mode`` (``kernels/sample.cu``): 0 radix passes for every
     cut; 1 the binned cut, rows it cannot cut handed on as token 0xffffffff; 2 those rows by radix passes
     (an input ``first``: mode 1's tokens), the others copied."""
-    key = (vocab, filters, mode)
+    key = (vocab, filters, mode, VEC, UNROLL)
     k = _kernels.get(key)
     if k is None:
         names = ["x", "top_k_in", "top_p_in", "min_p_in", "u"] + (["first"] if mode == 2 else [])
         prologue = ("  if (first[b] != 0xffffffffu) {\n    if (threadIdx.x == 0) token[b] = first[b];\n    return;\n  }\n"
                     if mode == 2 else "")
         src = fill("sample.cu", "body", vocab=vocab, threads=THREADS, filters=int(filters), mode=mode,
-                   prologue=prologue, bins=BINS, bin_scale=BIN_SCALE, cap=CAP)
+                   prologue=prologue, bins=BINS, bin_scale=BIN_SCALE, cap=CAP, vec=int(VEC), unroll=UNROLL)
         k = _kernels[key] = mx.fast.cuda_kernel(
-            name=f"pl_sample{mode}", input_names=names, output_names=["token"], source=src,
+            name=f"pl_sample{mode}{'v' if VEC else ''}", input_names=names, output_names=["token"], source=src,
             header=fill("sample.cu", "header"))
     return k
 

@@ -30,6 +30,25 @@ __device__ __forceinline__ long long pl_scale(long long total, long long fractio
   return (total >> 24) * fraction + (((total & 0xffffffll) * fraction) >> 24);
 }
 
+// f(value, id) for thread t's share of the ids of a row of V floats, in some order: with VEC (V a multiple of 4,
+// row 16-byte aligned) by 16-byte loads, UNROLL of them in flight, else one float at a time.
+template <int V, int NT, bool VEC, int UNROLL, class F>
+__device__ __forceinline__ void pl_each(const float* row, int t, F f) {
+  if (VEC) {
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+#pragma unroll UNROLL
+    for (int q = t; q < V / 4; q += NT) {
+      const float4 v = r4[q];
+      f(v.x, 4 * q);
+      f(v.y, 4 * q + 1);
+      f(v.z, 4 * q + 2);
+      f(v.w, 4 * q + 3);
+    }
+  } else {
+    for (int i = t; i < V; i += NT) f(row[i], i);
+  }
+}
+
 __device__ __forceinline__ long long pl_warp_sum64(long long v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(PL_FULL, v, o);
@@ -49,6 +68,7 @@ __device__ __forceinline__ long long pl_warp_sum64(long long v) {
   __shared__ unsigned long long cand[$cap > $bins ? $cap : $bins];  // select_binned's histogram, then its tokens
   const int b = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
 $prologue  const float* row = x + static_cast<size_t>(b) * V;
+  constexpr bool VEC = $vec && V % 4 == 0;  // 16-byte loads (the rows then start 16-byte aligned)
 
   // The exclusive prefix of s over the threads in order, and the block's total in total (red[0..NW) reused).
   auto block_scan = [&](long long s, long long& total) -> long long {
@@ -72,7 +92,7 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
 
   // the row's max
   float mval = PL_NEG_INF;
-  for (int i = t; i < V; i += NT) mval = fmaxf(mval, row[i]);
+  pl_each<V, NT, VEC, $unroll>(row, t, [&](float xv, int) { mval = fmaxf(mval, xv); });
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mval = fmaxf(mval, __shfl_xor_sync(PL_FULL, mval, o));
   if (lane == 0) redf[warp] = mval;
@@ -229,11 +249,10 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
     };
     for (int j = t; j < NB; j += NT) cand[j] = 0ull;
     __syncthreads();
-    for (int i = t; i < V; i += NT) {
-      const float xv = row[i];
+    pl_each<V, NT, VEC, $unroll>(row, t, [&](float xv, int i) {
       const long long a = amount(xv, pl_key(xv), i);
       if (a != 0) atomicAdd(&cand[bin_of(xv)], static_cast<unsigned long long>(a));
-    }
+    });
     __syncthreads();
     // each thread scans its NB / NT bins in order; the block scan finds the bin where the amount reaches target
     constexpr int BPT = NB / NT;
@@ -261,12 +280,11 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
     const long long need = target - s_base;  // 0 < need <= the cut bin's amount
     if (t == 0) s_n = 0;
     __syncthreads();
-    for (int i = t; i < V; i += NT) {
-      const float xv = row[i];
-      if (bin_of(xv) != cut) continue;
+    pl_each<V, NT, VEC, $unroll>(row, t, [&](float xv, int i) {
+      if (bin_of(xv) != cut) return;
       const int slot = atomicAdd(&s_n, 1);
       if (slot < CAP) cand[slot] = (static_cast<unsigned long long>(pl_key(xv)) << 32) | (0xffffffffu - static_cast<unsigned int>(i));
-    }
+    });
     __syncthreads();
     const int n = s_n;
     if (n > CAP) return -1;
@@ -330,17 +348,27 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
     }
   }
 
-  // the draw: each thread sums a contiguous chunk of kept mass; a block scan finds the chunk holding the target
-  auto kept_mass = [&](int i) -> long long {
-    const float xv = row[i];
+  // the draw: each thread sums a contiguous chunk of kept mass (a multiple of 4 tokens with VEC: 16-byte loads);
+  // a block scan finds the chunk holding the target, whose thread walks it again
+  auto kept_mass = [&](float xv, int i) -> long long {
     const float w = weight(xv);
     const unsigned int key = pl_key(xv);
     const bool keep = !$filters || (first_kept(xv, key, i, w) && (!p_on || at_or_above(key, i, pK, pI)));
     return keep ? mass_of(w) : 0;
   };
-  const int lo = t * CH, hi = min(V, lo + CH);
+  constexpr int CHD = VEC ? (CH + 3) / 4 * 4 : CH;
+  const int lo = min(V, t * CHD), hi = min(V, lo + CHD);
   long long s = 0;
-  for (int i = lo; i < hi; ++i) s += kept_mass(i);
+  if (VEC) {
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+#pragma unroll $unroll
+    for (int q = lo / 4; q < hi / 4; ++q) {
+      const float4 v = r4[q];
+      s += kept_mass(v.x, 4 * q) + kept_mass(v.y, 4 * q + 1) + kept_mass(v.z, 4 * q + 2) + kept_mass(v.w, 4 * q + 3);
+    }
+  } else {
+    for (int i = lo; i < hi; ++i) s += kept_mass(row[i], i);
+  }
   if (t == 0) token[b] = 0u;
   long long total;
   const long long excl = block_scan(s, total);
@@ -348,7 +376,7 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
   if (excl <= target && target < excl + s) {
     long long run = excl;
     for (int i = lo; i < hi; ++i) {
-      run += kept_mass(i);
+      run += kept_mass(row[i], i);
       if (run > target) { token[b] = static_cast<unsigned int>(i); break; }
     }
   }
