@@ -30,10 +30,12 @@ items = [(InputRow(index=i, id=i, prompt=f"Question {i}: {t[i % 20]['question']}
 # Warm-up, untimed: both paths over the 20 distinct questions, so every prompt length the timed rows use has
 # run once (on a GPU each new length compiles its kernels the first time).
 t0 = time.perf_counter()
-for row, choices in items[:20]:
+for k, (row, choices) in enumerate(items[:20]):
     sp = build_score_prompt(row, spec, lm.tokenizer, choices)
     score_shared(lm.engine, sp.context_ids, sp.continuation_ids)
     score_separately(lm.engine, sp.context_ids, sp.continuation_ids)
+    if k % 5 == 4:
+        print(f"warm-up: {k + 1} of 20 rows, {time.perf_counter() - t0:.1f} s", flush=True)
 print(f"warm-up (20 rows, both paths): {time.perf_counter() - t0:.1f} s", flush=True)
 ctx = [len(build_score_prompt(r, spec, lm.tokenizer, c).context_ids) for r, c in items[:20]]
 print(f"{rows} rows x 4 choices; context tokens median {statistics.median(ctx)}", flush=True)
@@ -46,8 +48,8 @@ for b in range(0, rows, 10):
             sp = build_score_prompt(row, spec, lm.tokenizer, choices)
             fn(lm.engine, sp.context_ids, sp.continuation_ids)
         spent[fn] += time.perf_counter() - t0
-    if (b + 10) % 100 == 0 or b + 10 >= rows:
-        print(f"{b + 10} rows: shared {spent[score_shared]:.1f} s, separate {spent[score_separately]:.1f} s", flush=True)
+    # every 10 rows, so that a run stopped early still reports
+    print(f"{b + 10} rows: shared {spent[score_shared]:.1f} s, separate {spent[score_separately]:.1f} s", flush=True)
 shared, separate = spent[score_shared], spent[score_separately]
 print(f"shared context: {shared:.1f} s, {rows / shared:.2f} rows/s")
 print(f"separate prefills: {separate:.1f} s, {rows / separate:.2f} rows/s")
