@@ -1,5 +1,6 @@
 """The sampling kernel (``kernels/sample.cu``): min_p, top_k, top_p and the draw of every row in one launch
-(two where filters are on: the binned cut, then radix passes for the rows it hands on) on MLX's CUDA backend, the same token as ``sampler.keep_mask`` and ``sampler.draw`` for the same masses.
+(two where filters are on: the binned cut, then radix passes for the rows it hands on) on MLX's CUDA backend,
+the same token as ``sampler.keep_mask`` and ``sampler.draw`` for the same masses.
 
 Why: on an H200 (Llama-3.2-1B shape, fp16, B=256, temperature 0.8 and top_p 0.95) the sort-based filter
 (argsort of each row, a gather, two softmaxes and scans) made sampling 0.51x as fast as greedy decoding;
@@ -39,8 +40,8 @@ def _kernel(vocab: int, filters: bool, mode: int):
     k = _kernels.get(key)
     if k is None:
         names = ["x", "top_k_in", "top_p_in", "min_p_in", "u"] + (["first"] if mode == 2 else [])
-        prologue = ("  if (first[b] != 0xffffffffu) {\n    if (threadIdx.x == 0) token[b] = first[b];\n    return;\n  }\n"
-                    if mode == 2 else "")
+        prologue = "" if mode != 2 else \
+            "  if (first[b] != 0xffffffffu) {\n    if (threadIdx.x == 0) token[b] = first[b];\n    return;\n  }\n"
         src = fill("sample.cu", "body", vocab=vocab, threads=THREADS, filters=int(filters), mode=mode,
                    prologue=prologue, bins=BINS, bin_scale=BIN_SCALE, cap=CAP, vec=int(VEC), unroll=UNROLL)
         k = _kernels[key] = mx.fast.cuda_kernel(

@@ -118,6 +118,12 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
   auto first_kept = [&](float xv, unsigned int key, int i, float w) {
     return w >= min_p && (!k_on || at_or_above(key, i, kK, kI));
   };
+  // A token's amount toward a cut: 1 (top_k counts tokens), or its mass where it is first kept (top_p).
+  auto amount = [&](bool by_mass, float xv, unsigned int key, int i) -> long long {
+    if (!by_mass) return 1;
+    const float w = weight(xv);
+    return first_kept(xv, key, i, w) ? mass_of(w) : 0;
+  };
 
   // Block-reduce 16 counters and let thread 0 pick a bin: the highest (descending) or lowest (ascending) bin at
   // which base + the amount of the bins before it, and it, reaches target. Returns false (uniformly) if none.
@@ -168,11 +174,6 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
   // together do not reach it.
   auto select = [&](bool by_mass, long long target, unsigned int& K_out, int& I_out) -> bool {
     const bool of_total = target < 0;
-    auto amount = [&](float xv, unsigned int key, int i) -> long long {
-      if (!by_mass) return 1;
-      const float w = weight(xv);
-      return first_kept(xv, key, i, w) ? mass_of(w) : 0;
-    };
     unsigned int prefix = 0;
     long long base = 0, group = 0;
     for (int shift = 28; shift >= 0; shift -= 4) {  // the value: 8 passes over the key's nibbles
@@ -184,7 +185,7 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
         const float xv = row[i];
         const unsigned int key = pl_key(xv);
         if ((key & hi_mask) != prefix) continue;
-        const long long a = amount(xv, key, i);
+        const long long a = amount(by_mass, xv, key, i);
         const int d = (key >> shift) & 15;
 #pragma unroll
         for (int j = 0; j < 16; ++j) c[j] += (d == j) ? a : 0;
@@ -217,7 +218,7 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
         const float xv = row[i];
         const unsigned int key = pl_key(xv);
         if (key != prefix || (static_cast<unsigned int>(i) & hi_mask) != ip) continue;
-        const long long a = amount(xv, key, i);
+        const long long a = amount(by_mass, xv, key, i);
         const int d = (i >> shift) & 15;
 #pragma unroll
         for (int j = 0; j < 16; ++j) c[j] += (d == j) ? a : 0;
@@ -238,11 +239,6 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
   auto select_binned = [&](bool by_mass, long long target, unsigned int& K_out, int& I_out) -> int {
     constexpr int NB = $bins, CAP = $cap;
     const bool of_total = target < 0;
-    auto amount = [&](float xv, unsigned int key, int i) -> long long {
-      if (!by_mass) return 1;
-      const float w = weight(xv);
-      return first_kept(xv, key, i, w) ? mass_of(w) : 0;
-    };
     auto bin_of = [&](float xv) -> int {
       const float d = (m - xv) * static_cast<float>($bin_scale);
       return d < static_cast<float>(NB - 1) ? static_cast<int>(d) : NB - 1;  // NaN: the last bin
@@ -250,7 +246,7 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
     for (int j = t; j < NB; j += NT) cand[j] = 0ull;
     __syncthreads();
     pl_each<V, NT, VEC, $unroll>(row, t, [&](float xv, int i) {
-      const long long a = amount(xv, pl_key(xv), i);
+      const long long a = amount(by_mass, xv, pl_key(xv), i);
       if (a != 0) atomicAdd(&cand[bin_of(xv)], static_cast<unsigned long long>(a));
     });
     __syncthreads();
@@ -283,7 +279,8 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
     pl_each<V, NT, VEC, $unroll>(row, t, [&](float xv, int i) {
       if (bin_of(xv) != cut) return;
       const int slot = atomicAdd(&s_n, 1);
-      if (slot < CAP) cand[slot] = (static_cast<unsigned long long>(pl_key(xv)) << 32) | (0xffffffffu - static_cast<unsigned int>(i));
+      if (slot < CAP)
+        cand[slot] = (static_cast<unsigned long long>(pl_key(xv)) << 32) | (0xffffffffu - static_cast<unsigned int>(i));
     });
     __syncthreads();
     const int n = s_n;
@@ -308,7 +305,7 @@ $prologue  const float* row = x + static_cast<size_t>(b) * V;
     auto entry_amount = [&](int e) -> long long {
       const unsigned long long c = cand[e];
       const unsigned int key = static_cast<unsigned int>(c >> 32);
-      return amount(pl_unkey(key), key, static_cast<int>(0xffffffffu - static_cast<unsigned int>(c)));
+      return amount(by_mass, pl_unkey(key), key, static_cast<int>(0xffffffffu - static_cast<unsigned int>(c)));
     };
     long long es = 0;
     for (int e = lo; e < hi; ++e) es += entry_amount(e);
