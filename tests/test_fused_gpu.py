@@ -20,7 +20,7 @@ from mlx.utils import tree_map
 from pipeline.bench import random_weights
 from pipeline.engine.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from pipeline.engine import Engine, GenerateParams
-from pipeline.engine.cuda import FusedDecoder, Gemma3Decoder, decoder_for, fused_blocker, model_blocker
+from pipeline.engine.cuda import FusedDecoder, Gemma3Decoder, Qwen3Decoder, decoder_for, fused_blocker, model_blocker
 from pipeline.models import build_model, dequantize_model
 from pipeline.models.base import fuse_projections
 
@@ -42,14 +42,23 @@ GEMMA = {
     "sliding_window": 64, "sliding_window_pattern": 2, "max_position_embeddings": 2048, "tie_word_embeddings": True,
 }
 
+# A small Qwen 3: per-head q/k RMSNorms over head_dim, no q/k/v biases.
+QWEN3 = {**BASE, "model_type": "qwen3", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
 
-def make_model(dtype=mx.float16, bits=4, group_size=64, dense=False, **overrides):
+
+def make_model(dtype=mx.float16, bits=4, group_size=64, dense=False, fuse_qkv=True, **overrides):
+    """A random model of ``BASE`` + ``overrides``, with fused projections as ``load_model`` builds it
+    (``fuse_qkv`` False: only gate/up fused, q/k/v left as three matrices)."""
     config = {**BASE, **overrides}
     weights = random_weights(config, dtype, bits=bits, group_size=group_size, seed=1)
     model = build_model(config, weights, dtype)
     if dense:
         dequantize_model(model, dtype)
-    fuse_projections(model)
+    if fuse_qkv:
+        fuse_projections(model)
+    else:
+        for layer in model.model.layers:
+            layer.mlp.fuse()
     return model
 
 
@@ -183,10 +192,41 @@ def test_gemma3_fused_step_matches_the_model(case, prompt_len):
     assert mismatches == 0
 
 
+QWEN3_CASES = {
+    "q4-37": (dict(), 37),
+    "q4-130": (dict(), 130),
+    "q4-300": (dict(), 300),
+    "q8g32": (dict(bits=8, group_size=32), 130),
+    "dense": (dict(dense=True), 130),
+    "bf16": (dict(dtype=mx.bfloat16), 130),
+    "hd128-untied": (dict(head_dim=128, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False), 130),
+    "qkv-unfused": (dict(fuse_qkv=False), 130),
+    "linear-rope": (dict(rope_scaling={"rope_type": "linear", "factor": 4.0}), 130),
+}
+
+
+@gpu
+@pytest.mark.parametrize("case, prompt_len", QWEN3_CASES.values(), ids=list(QWEN3_CASES))
+def test_qwen3_fused_step_matches_the_model(case, prompt_len):
+    """Qwen 3: the per-head q/k RMSNorms inside the q/k/v kernel (one fused q/k/v matrix or three), across
+    128-key chunks, every weight kind, both 16-bit dtypes, head size 128, an untied head, linear RoPE scaling.
+    Held, as Gemma 3 is, to at least the closeness of MLX's own compute dtype to the float32 twin (give or
+    take 50%), and to the same clear-margin argmax."""
+    model = make_model(**{**QWEN3, **case})
+    assert model_blocker(model) is None
+    assert isinstance(decoder_for(model), Qwen3Decoder)
+    twin = float32_twin(make_model(**{**QWEN3, **case}))
+    fused_err, model_err, mismatches = compare_steps(model, prompt_len=prompt_len, steps=6, twin=twin)
+    assert fused_err < 1.5 * model_err + 1e-3, (fused_err, model_err)
+    assert fused_err < (0.3 if case.get("dtype") is mx.bfloat16 else 0.05)  # a wrong kernel is off by ~1
+    assert mismatches == 0
+
+
 @gpu
 @pytest.mark.parametrize("config, prompt, decoder", [({}, list(range(5, 60)), FusedDecoder),
-                                                     (GEMMA, list(range(5, 100)), Gemma3Decoder)],
-                         ids=["llama", "gemma3"])
+                                                     (GEMMA, list(range(5, 100)), Gemma3Decoder),
+                                                     (QWEN3, list(range(5, 100)), Qwen3Decoder)],
+                         ids=["llama", "gemma3", "qwen3"])
 def test_engine_uses_fused_step_and_reuses_caches(config, prompt, decoder):
     """The engine picks the model's fused step on CUDA; a second prompt on the same engine (caches reset,
     not reallocated) gives exactly what a fresh engine gives."""
@@ -219,8 +259,11 @@ def test_fused_blocker_off_cuda_or_unsupported_caches():
 
 
 def test_model_blocker_names_the_reason():
-    model = make_model(model_type="qwen3")
-    assert "qwen3" in model_blocker(model)
+    assert model_blocker(make_model(**QWEN3)) is None
+    assert model_blocker(make_model(bits=3, group_size=32)) == "3-bit weights"
+    gemma = make_model(**GEMMA)
+    gemma.args.model_type = "gemma2"
+    assert model_blocker(gemma) == "model family gemma2 has no fused step"
 
 
 class _RecordingKernel:
@@ -228,9 +271,11 @@ class _RecordingKernel:
     threadgroup, input names and shapes) and returns zeros of the declared outputs."""
 
     launches: list = []
+    sources: list = []
 
     def __init__(self, name, input_names, output_names, source, header="", **_):
         self.name, self.input_names, self.source = name, input_names, source
+        _RecordingKernel.sources.append(source)
 
     def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
         assert len(inputs) == len(self.input_names), self.name
@@ -294,10 +339,10 @@ def test_gemma3_launch_plan(monkeypatch):
     assert logits.shape == (1, GEMMA["vocab_size"])
     launches = _RecordingKernel.launches
     layers = GEMMA["num_hidden_layers"]
-    assert [k["name"] for k in launches] == ["pl_embed"] + ["pl_qkv_gemma", "pl_attn", "pl_gemv_plain", "pl_gemv_geglu",
+    assert [k["name"] for k in launches] == ["pl_embed"] + ["pl_qkv_norm", "pl_attn", "pl_gemv_plain", "pl_gemv_geglu",
                                                             "pl_gemv_plain"] * layers + ["pl_gemv_res_logits"]
     H, KVH = GEMMA["num_attention_heads"], GEMMA["num_key_value_heads"]
-    qkv = [k for k in launches if k["name"] == "pl_qkv_gemma"]
+    qkv = [k for k in launches if k["name"] == "pl_qkv_norm"]
     attn = [k for k in launches if k["name"] == "pl_attn"]
     for i, (q, a) in enumerate(zip(qkv, attn)):
         assert q["grid"][0] // q["threadgroup"][0] == H + 2 * KVH
@@ -315,3 +360,36 @@ def test_gemma3_launch_plan(monkeypatch):
         elif k["name"] == "pl_gemv_res_logits":
             assert warps * fused.units_per_warp(GEMMA["vocab_size"], "plain") >= GEMMA["vocab_size"]
     assert dec.embed_scale == 16.0  # sqrt(256), exact in bfloat16
+
+
+@pytest.mark.parametrize("fuse_qkv", [True, False], ids=["qkv-fused", "qkv-separate"])
+def test_qwen3_launch_plan(fuse_qkv, monkeypatch):
+    """Qwen 3's host side (runs anywhere): Llama's five launches per layer with the per-head-norm q/k/v
+    kernel first (one block per q, k and v head, the q/k norm weights and the fused matrix or the three
+    matrices as its inputs); the kernel sources fill in completely."""
+    import pipeline.engine.cuda as fused
+
+    model = make_model(**QWEN3, dtype=mx.float32, fuse_qkv=fuse_qkv)  # float32: a fast prefill on a CPU
+    monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
+    _RecordingKernel.launches = []
+    dec = decoder_for(model)
+    assert type(dec) is Qwen3Decoder
+    caches, _ = prefilled(model, list(range(1, 200)))
+    dec.prepare(caches, 210)
+    logits = dec.step(mx.array([5], mx.uint32), mx.array([199], mx.int32), 199, caches)
+    assert logits.shape == (1, QWEN3["vocab_size"])
+    launches = _RecordingKernel.launches
+    layers = QWEN3["num_hidden_layers"]
+    assert [k["name"] for k in launches] == ["pl_embed"] + ["pl_qkv_norm", "pl_attn", "pl_gemv_residual",
+                                                            "pl_gemv_swiglu", "pl_gemv_residual"] * layers + ["pl_gemv_norm"]
+    H, KVH, D = QWEN3["num_attention_heads"], QWEN3["num_key_value_heads"], QWEN3["head_dim"]
+    weights = {"w", "s", "b"} if fuse_qkv else {"qw", "qs", "qb", "kw", "ks", "kb", "vw", "vs", "vb"}
+    for i, k in enumerate(k for k in launches if k["name"] == "pl_qkv_norm"):
+        assert k["grid"][0] // k["threadgroup"][0] == H + 2 * KVH
+        assert set(k["inputs"]) == {"x", "nw", "qn", "kn", "inv_freq", "pos", "kc", "vc"} | weights
+        assert k["inputs"]["qn"] == k["inputs"]["kn"] == (D,)
+        assert k["inputs"]["kc"] == caches[i].keys.shape
+        rows = (H + 2 * KVH) * D
+        assert (k["inputs"]["w"] if fuse_qkv else k["inputs"]["qw"])[0] == (rows if fuse_qkv else H * D)
+    for k in _RecordingKernel.sources:
+        assert "$" not in k  # every template field filled

@@ -47,6 +47,18 @@ RANDOM_SHAPES: dict[str, dict] = {
         "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_word_embeddings": False,
     },
+    # Qwen/Qwen3-0.6B (per-head q/k RMSNorms, head_dim 128, tied output projection)
+    "qwen3-0.6b": {
+        "model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 3072,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+    },
+    # Qwen/Qwen3-8B
+    "qwen3-8b": {
+        "model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "intermediate_size": 12288,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    },
     # google/gemma-3-1b-it (no lm_head: the output projection is the embedding)
     "gemma-3-1b": {
         "model_type": "gemma3_text", "hidden_size": 1152, "num_hidden_layers": 26, "intermediate_size": 6912,

@@ -1,4 +1,4 @@
-"""The fused CUDA decode step (batch 1; Llama, Qwen2, Gemma 3): which decoder runs a model, or why none can.
+"""The fused CUDA decode step (batch 1; Llama, Qwen2, Qwen 3, Gemma 3): which decoder runs a model, or why none can.
 
 Why: on an NVIDIA H200 (mlx 0.32.4) batch-1 decode of a small model is bound by the host, not the GPU:
 MLX launches one kernel per primitive (~550 per token for SmolLM2-135M, ~7 us of host time each) while
@@ -15,7 +15,8 @@ package runs a decoder layer as five custom kernels (``mx.fast.cuda_kernel``) in
 5. ``down_proj`` + residual add;
 
 plus one kernel for the token's embedding row and one for the final norm + vocab projection
-(``Gemma3Decoder`` fits Gemma 3's layer into the same five: see its docstring). Every
+(``Gemma3Decoder`` fits Gemma 3's layer into the same five, ``Qwen3Decoder`` Qwen 3's per-head q/k
+norms into the first: see their docstrings). Every
 projection is a warp-per-row GEMV over MLX's affine-quantized layout (``w`` uint32 words holding
 ``32 / bits`` values, low bits first; ``value = scale * q + bias`` per ``group_size`` values; see
 ``mx.quantize``) or over dense weights, accumulating in float32 and rounding to the compute dtype
@@ -33,7 +34,7 @@ norms and MLP of B rows, two custom kernels per layer do RoPE at each row's posi
 K/V write, and the attention over each row's own filled slots (see its docstring; ``batched_blocker``).
 
 Layout: ``decoder`` (``FusedDecoder``: the Llama and Qwen2 layer; what the kernels read of the weights),
-``gemma3`` (``Gemma3Decoder``), ``batched`` (``BatchedDecoder``), ``sources`` (reads and fills in the CUDA
+``gemma3`` (``Gemma3Decoder``), ``qwen3`` (``Qwen3Decoder``), ``batched`` (``BatchedDecoder``), ``sources`` (reads and fills in the CUDA
 text), ``kernels/`` (the CUDA:
 ``common.cuh``, the device helpers of every kernel; one ``.cu`` file per kernel; ``calls.cu``, the
 helper calls they share; package data).
@@ -49,19 +50,22 @@ from ..cache import KVCache, RotatingKVCache
 from .batched import BatchedDecoder, batched_blocker
 from .decoder import FusedDecoder, units_per_warp
 from .gemma3 import Gemma3Decoder
+from .qwen3 import Qwen3Decoder
 
-__all__ = ["BatchedDecoder", "FusedDecoder", "Gemma3Decoder", "batched_blocker", "decoder_for", "fused_blocker",
-           "model_blocker", "units_per_warp"]
+__all__ = ["BatchedDecoder", "FusedDecoder", "Gemma3Decoder", "Qwen3Decoder", "batched_blocker", "decoder_for",
+           "fused_blocker", "model_blocker", "units_per_warp"]
 
 
 def _decoder_class(model) -> type[FusedDecoder]:
-    """``Gemma3Decoder`` for its families, else ``FusedDecoder`` (whose ``blocker`` names a family that
-    neither runs), by ``model.args.model_type``."""
-    return Gemma3Decoder if model.args.model_type in Gemma3Decoder.model_types else FusedDecoder
+    """The decoder class whose ``model_types`` hold ``model.args.model_type`` (``Gemma3Decoder``,
+    ``Qwen3Decoder``), else ``FusedDecoder`` (whose ``blocker`` names a family that none runs)."""
+    family = model.args.model_type
+    return next((cls for cls in (Gemma3Decoder, Qwen3Decoder) if family in cls.model_types), FusedDecoder)
 
 
 def decoder_for(model) -> FusedDecoder:
-    """The fused decoder of ``model``'s family, built (``Gemma3Decoder`` for Gemma 3).
+    """The fused decoder of ``model``'s family, built (``Gemma3Decoder`` for Gemma 3, ``Qwen3Decoder`` for
+    Qwen 3).
 
     Raises:
         ValueError: the model is not supported (``model_blocker`` gives the reason).

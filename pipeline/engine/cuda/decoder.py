@@ -105,8 +105,8 @@ class FusedDecoder:
         ValueError (constructor): the model is not supported (``blocker`` gives the reason).
     """
 
-    # The HF model_type of the families whose layer this class runs (Qwen 3 is not one: its per-head
-    # q/k RMSNorms are in no kernel here).
+    # The HF model_type of the families whose layer this class runs (Qwen 3's and Gemma 3's, with per-head
+    # q/k RMSNorms, are subclasses': ``Qwen3Decoder``, ``Gemma3Decoder``).
     model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2")
 
     def __init__(self, model):
@@ -217,6 +217,48 @@ class FusedDecoder:
 
         return self._kernel(("qkv", qkv.bits, qkv.group_size, qkv.in_dim, qkv.out_dim, trad, pscale, has_bias, win),
                             make)
+
+    def _qkv_norm_kernel(self, lay: dict, res: bool, win: int):
+        """``kernels/qkv_norm.cu``: the q/k/v step of a layer with per-head q/k RMSNorms (Gemma 3, Qwen 3), one
+        256-thread block per q, k or v head, for this layer's shapes. The layer's projections: ``lay["qkv"]``,
+        one fused q/k/v ``Proj`` (rows: q heads, k heads, v heads), or ``lay["q"]``, ``["k"]``, ``["v"]`` of one
+        quantization (``qkv_arrays``); ``res``: the kernel starts with Gemma 3's residual step of the previous
+        layer (prologue "res", else "norm")."""
+        H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
+        fused = lay.get("qkv")
+        projs = [fused] if fused is not None else [lay["q"], lay["k"], lay["v"]]
+        trad, pscale = lay["traditional"], lay["pos_scale"]
+        pre = "res" if res else "norm"
+        units = 4
+
+        def make():
+            def head_rows(proj: Proj, prefix: str, first: str) -> str:
+                return fill("qkv_norm.cu", "head_rows", first=first, rows_dot=proj.rows_dot(units, prefix))
+
+            if fused is not None:  # block b's rows start at row b * head_dim of the fused matrix
+                rows = [head_rows(fused, "", "head")] * 3
+                weights = fused.names()
+            else:
+                rows = [head_rows(lay["q"], "q", "head"), head_rows(lay["k"], "k", "head - H"),
+                        head_rows(lay["v"], "v", "head - H - KVH")]
+                weights = [*lay["q"].names("q"), *lay["k"].names("k"), *lay["v"].names("v")]
+            src = fill("qkv_norm.cu", "body", hidden=self.hidden, head_dim=D, n_heads=H, n_kv_heads=KVH,
+                       units=units, window=win, prologue=self._prologue(pre, projs[0].vals(self.dtype)),
+                       q_rows=rows[0], k_rows=rows[1], v_rows=rows[2], eps=float_literal(self.eps),
+                       traditional=int(trad), pos_scale=float_literal(pscale))
+            names = [*self.PROLOGUE_INPUTS[pre], *weights, "qn", "kn", "inv_freq", "pos", "kc", "vc"]
+            return mx.fast.cuda_kernel(name="pl_qkv_norm", input_names=names,
+                                       output_names=["q", "hout"] if res else ["q"], source=src, header=header())
+
+        sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim) for p in projs)
+        return self._kernel(("qkv_norm", sig, trad, pscale, res, win), make)
+
+    @staticmethod
+    def qkv_arrays(lay: dict) -> list:
+        """The q/k/v weight arrays of a layer, in ``_qkv_norm_kernel``'s input order."""
+        if lay.get("qkv") is not None:
+            return list(lay["qkv"].arrays)
+        return [*lay["q"].arrays, *lay["k"].arrays, *lay["v"].arrays]
 
     def _attn_kernel(self, win: int):
         """Attention of each head's query over the cache's filled slots: ``0..pos`` (full cache) or
@@ -343,20 +385,24 @@ class FusedDecoder:
             output_shapes=[(self.n_heads * self.head_dim,)], output_dtypes=[self.dtype])[0]
 
     def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
-        H, D = self.n_heads, self.head_dim
         h = self._embed(token)
         for lay, c in zip(self.layers, caches):
-            qkv = lay["qkv"]
-            kern, pairs = self._qkv_kernel(qkv, lay["traditional"], lay["pos_scale"], c.max_size or 0)
-            extra = [qkv.bias] if qkv.bias is not None else []
-            q = self._launch(kern, [h, lay["in_norm"], *qkv.arrays, *extra, lay["inv_freq"], pos, c.keys, c.values],
-                             -(-pairs // WARPS_PER_BLOCK), H * D)
+            q = self._query(lay, h, pos, c)
             o = self._attend(q, pos, n_ctx, c)
             h = self._gemv(lay["o"], "residual", [o, *lay["o"].arrays, h])
             a = self._gemv(lay["gu"], "swiglu", [h, lay["post_norm"], *lay["gu"].arrays])
             h = self._gemv(lay["down"], "residual", [a, *lay["down"].arrays, h])
         logits = self._gemv(self.head, "norm", [h, self.final_norm, *self.head.arrays])
         return logits[None]
+
+    def _query(self, lay: dict, h: mx.array, pos: mx.array, cache) -> mx.array:
+        """The layer's first kernel: the query ``(n_heads * head_dim,)`` of the hidden state ``h`` after RMSNorm,
+        the q/k/v projection (and bias) and RoPE; the token's key and value written into ``cache``."""
+        qkv = lay["qkv"]
+        kern, pairs = self._qkv_kernel(qkv, lay["traditional"], lay["pos_scale"], cache.max_size or 0)
+        extra = [qkv.bias] if qkv.bias is not None else []
+        inputs = [h, lay["in_norm"], *qkv.arrays, *extra, lay["inv_freq"], pos, cache.keys, cache.values]
+        return self._launch(kern, inputs, -(-pairs // WARPS_PER_BLOCK), self.n_heads * self.head_dim)
 
     def _launch(self, kern, inputs: list, blocks: int, n_out: int, res: bool = False):
         """Run a kernel of 256-thread blocks whose output is ``(n_out,)`` in the compute dtype; with

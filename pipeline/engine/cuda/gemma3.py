@@ -5,7 +5,6 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .decoder import MAX_SMEM_BYTES, FusedDecoder, Proj, rope_table
-from .sources import fill, float_literal, header
 
 
 class Gemma3Decoder(FusedDecoder):
@@ -68,38 +67,13 @@ class Gemma3Decoder(FusedDecoder):
                 "gate": Proj(m.gate_proj), "up": Proj(m.up_proj), "down": Proj(m.down_proj),
                 "inv_freq": inv, "pos_scale": pscale, "traditional": trad}
 
-    def _gemma_qkv_kernel(self, lay: dict, res: bool, win: int):
-        """``kernels/qkv_gemma.cu`` for this layer's shapes; ``res``: starts with the previous layer's
-        residual step (every layer but the first)."""
-        H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = lay["q"], lay["k"], lay["v"]
-        trad, pscale = lay["traditional"], lay["pos_scale"]
-        units = 4
-
-        def make():
-            def head_rows(proj: Proj, prefix: str, first: str) -> str:
-                return fill("qkv_gemma.cu", "head_rows", first=first, rows_dot=proj.rows_dot(units, prefix))
-
-            src = fill("qkv_gemma.cu", "body", hidden=self.hidden, head_dim=D, n_heads=H, n_kv_heads=KVH,
-                       units=units, window=win, prologue=self._prologue("res" if res else "norm", q.vals(self.dtype)),
-                       q_rows=head_rows(q, "q", "head"), k_rows=head_rows(k, "k", "head - H"),
-                       v_rows=head_rows(v, "v", "head - H - KVH"), eps=float_literal(self.eps),
-                       traditional=int(trad), pos_scale=float_literal(pscale))
-            names = [*self.PROLOGUE_INPUTS["res" if res else "norm"], *q.names("q"), *k.names("k"),
-                     *v.names("v"), "qn", "kn", "inv_freq", "pos", "kc", "vc"]
-            return mx.fast.cuda_kernel(name="pl_qkv_gemma", input_names=names,
-                                       output_names=["q", "hout"] if res else ["q"], source=src, header=header())
-
-        sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim) for p in (q, k, v))
-        return self._kernel(("gemma_qkv", sig, trad, pscale, res, win), make)
-
     def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
         H, D = self.n_heads, self.head_dim
         h = self._embed(token)
         pending = None  # the previous layer's down_proj output and post-feedforward norm, not yet added to h
         for lay, c in zip(self.layers, caches):
-            kern = self._gemma_qkv_kernel(lay, pending is not None, c.max_size or 0)
-            qkv = [*lay["q"].arrays, *lay["k"].arrays, *lay["v"].arrays]
+            kern = self._qkv_norm_kernel(lay, pending is not None, c.max_size or 0)
+            qkv = self.qkv_arrays(lay)
             front = [pending[0], h, pending[1]] if pending is not None else [h]
             inputs = [*front, lay["in_norm"], *qkv, lay["q_norm"], lay["k_norm"], lay["inv_freq"], pos, c.keys, c.values]
             blocks = H + 2 * self.n_kv_heads  # one per q, k and v head

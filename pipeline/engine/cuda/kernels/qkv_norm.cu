@@ -1,11 +1,12 @@
-// pl_qkv_gemma (Gemma 3): the previous layer's residual step or the embedding ($prologue), RMSNorm, the
-// q, k and v projections, the per-head q/k RMSNorms (weights qn, kn), RoPE, and the key and value written
-// in place into slot pos (a ring of $window slots: pos % $window) of kc/vc. One 256-thread block per q,
-// k or v head (the per-head norms need the whole head). Filled in by Gemma3Decoder._gemma_qkv_kernel
-// (pipeline/engine/cuda/gemma3.py).
+// pl_qkv_norm (Gemma 3, Qwen 3): the previous layer's residual step (Gemma 3) or the embedding / hidden
+// state ($prologue), RMSNorm, the q, k and v projections, the per-head q/k RMSNorms (weights qn, kn), RoPE,
+// and the key and value written in place into slot pos (a ring of $window slots: pos % $window) of kc/vc.
+// One 256-thread block per q, k or v head (the per-head norms need the whole head). Filled in by
+// FusedDecoder._qkv_norm_kernel (pipeline/engine/cuda/decoder.py).
 //
-// head_rows: the block's head ($first: its index among the q, k or v heads) projected into ys, $units
-// rows per warp.
+// head_rows: the block's head ($first: the index of its first weight row, in head_dim rows) projected into
+// ys, $units rows per warp. Separate q/k/v matrices: the head's index among the q, k or v heads; one fused
+// q/k/v matrix (rows q heads, then k, then v): the block index itself.
 //@ head_rows
     for (int i0 = warp * U; i0 < D; i0 += NW * U) {
       int rows[U];
