@@ -380,8 +380,8 @@ def test_qwen3_launch_plan(fuse_qkv, monkeypatch):
     assert logits.shape == (1, QWEN3["vocab_size"])
     launches = _RecordingKernel.launches
     layers = QWEN3["num_hidden_layers"]
-    assert [k["name"] for k in launches] == ["pl_embed"] + ["pl_qkv_norm", "pl_attn", "pl_gemv_residual",
-                                                            "pl_gemv_swiglu", "pl_gemv_residual"] * layers + ["pl_gemv_norm"]
+    per_layer = ["pl_qkv_norm", "pl_attn", "pl_gemv_residual", "pl_gemv_swiglu", "pl_gemv_residual"]
+    assert [k["name"] for k in launches] == ["pl_embed"] + per_layer * layers + ["pl_gemv_norm"]
     H, KVH, D = QWEN3["num_attention_heads"], QWEN3["num_key_value_heads"], QWEN3["head_dim"]
     weights = {"w", "s", "b"} if fuse_qkv else {"qw", "qs", "qb", "kw", "ks", "kb", "vw", "vs", "vb"}
     for i, k in enumerate(k for k in launches if k["name"] == "pl_qkv_norm"):

@@ -34,8 +34,8 @@ norms and MLP of B rows, two custom kernels per layer do RoPE at each row's posi
 K/V write, and the attention over each row's own filled slots (see its docstring; ``batched_blocker``).
 
 Layout: ``decoder`` (``FusedDecoder``: the Llama and Qwen2 layer; what the kernels read of the weights),
-``gemma3`` (``Gemma3Decoder``), ``qwen3`` (``Qwen3Decoder``), ``batched`` (``BatchedDecoder``), ``sources`` (reads and fills in the CUDA
-text), ``kernels/`` (the CUDA:
+``gemma3`` (``Gemma3Decoder``), ``qwen3`` (``Qwen3Decoder``), ``batched`` (``BatchedDecoder``), ``sources``
+(reads and fills in the CUDA text), ``kernels/`` (the CUDA:
 ``common.cuh``, the device helpers of every kernel; one ``.cu`` file per kernel; ``calls.cu``, the
 helper calls they share; package data).
 Each decoder class names the HF ``model_type`` of the families it runs (``model_types``) and what it
