@@ -128,15 +128,27 @@ __device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, con
           sx += xf[p * PS + e];
         }
       }
+      // A quantized value q is read in place in its 16-bit half of the word, as the float 2^23 + q * 2^(BITS*p)
+      // (p: its place in the half) minus 2^23, exactly q * 2^(BITS*p): two full-rate float/logic operations
+      // instead of a shift and an integer-to-float conversion (1/8 of the FMA rate). x is scaled by
+      // 2^-(BITS*p) to match (exact: a power of two), so each product, and the sum, is bitwise what
+      // float(q) * x gives.
+      constexpr int HALF = PER / 2;
+      float xg[VALS];
+#pragma unroll
+      for (int v = 0; v < VALS; v++) xg[v] = xf[v] * __uint_as_float((127u - BITS * ((v % PER) % HALF)) << 23);
 #pragma unroll
       for (int r = 0; r < R; r++) {
         const uint32_t ws[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
         float qx = 0.f;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
+          const uint32_t lo = ws[i], hi = ws[i] >> 16;
 #pragma unroll
-          for (int j = 0; j < PER; j++)
-            qx += static_cast<float>((ws[i] >> (BITS * j)) & ((1u << BITS) - 1u)) * xf[i * PER + j];
+          for (int j = 0; j < PER; j++) {
+            const uint32_t m = (j < HALF ? lo : hi) & (((1u << BITS) - 1u) << (BITS * (j % HALF)));
+            qx += (__uint_as_float(0x4B000000u | m) - 8388608.f) * xg[i * PER + j];
+          }
         }
         acc[r] += s[r] * qx + b[r] * sx;
       }
