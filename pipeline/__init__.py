@@ -3,12 +3,16 @@
 __version__ = "0.2.0"
 
 from ._blas import load_openblas
+from ._kernel_cache import set_driver_cache, set_ptx_cache
 
 load_openblas()  # before anything imports mlx.core
+set_driver_cache()  # before MLX starts the CUDA driver
 
 import atexit  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
+
+set_ptx_cache(mx)  # before MLX's first kernel compile
 
 from .loader import LoadedModel, load_model  # noqa: E402
 
