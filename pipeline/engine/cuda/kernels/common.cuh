@@ -129,8 +129,8 @@ __device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, con
         }
       }
       // A quantized value q is read in place in its 16-bit half of the word, as the float 2^23 + q * 2^(BITS*p)
-      // (p: its place in the half) minus 2^23, exactly q * 2^(BITS*p): two full-rate float/logic operations
-      // instead of a shift and an integer-to-float conversion (1/8 of the FMA rate). x is scaled by
+      // (p: its place in the half) minus 2^23, exactly q * 2^(BITS*p): a logic operation and a float add
+      // instead of a shift and an integer-to-float conversion (a slower pipe than the FMA's). x is scaled by
       // 2^-(BITS*p) to match (exact: a power of two), so each product, and the sum, is bitwise what
       // float(q) * x gives.
       constexpr int HALF = PER / 2;
