@@ -345,7 +345,7 @@ def _int_list(ctx, param, value):
 @click.argument("model", required=False)
 @click.option("--random", "random_shape", metavar="SHAPE",
               help="Random 4-bit weights of a real model's shape, built in memory: smollm2-135m, llama-3.2-1b, "
-                   "qwen2.5-7b or gemma-3-1b.")
+                   "qwen2.5-7b, qwen3-0.6b, qwen3-8b or gemma-3-1b.")
 @click.option("--prompt-tokens", default="64,512,2048", show_default=True, callback=_int_list,
               help="Prompt lengths (random tokens), comma-separated.")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=256, show_default=True, help="New tokens per run.")

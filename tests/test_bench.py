@@ -174,6 +174,12 @@ def test_real_shapes_are_valid_configs(name):
         mlx_lm_family.ModelArgs.from_dict(config)
 
 
+def test_cli_help_names_every_public_shape():
+    help_text = " ".join(CliRunner().invoke(main, ["bench", "--help"]).output.split())
+    for name in bench.PUBLIC_SHAPES:
+        assert name in help_text, name
+
+
 def test_random_weights_quantized_in_chunks():
     """Chunked drawing (here 1,000 floats at a time) gives complete 4-bit tensors that load strictly."""
     config = {**bench.RANDOM_SHAPES["tiny"], "quantization": {"group_size": 64, "bits": 4}}
