@@ -182,13 +182,20 @@ def test_gemma3_fused_step_matches_the_model(case, prompt_len):
     measure — at least as close to the float32 result as MLX's float16 (bfloat16) ops, give or take 50%
     — and to the same clear-margin argmax. On the H200: fused 1.1-1.2% vs MLX's float16 1.4-1.6% (q4);
     bfloat16 fused 11.1%."""
-    model = make_model(**{**GEMMA, **case})
+    assert_as_close_as_the_model({**GEMMA, **case}, prompt_len, Gemma3Decoder)
+
+
+def assert_as_close_as_the_model(config: dict, prompt_len: int, decoder: type) -> None:
+    """The fused step of ``make_model(**config)`` is ``decoder``'s, at least as close to the float32 twin's
+    logits as the model's own compute dtype (give or take 50%), never off like a wrong kernel (~1), and
+    with the same clear-margin argmax."""
+    model = make_model(**config)
     assert model_blocker(model) is None
-    assert isinstance(decoder_for(model), Gemma3Decoder)
-    twin = float32_twin(make_model(**{**GEMMA, **case}))
+    assert isinstance(decoder_for(model), decoder)
+    twin = float32_twin(make_model(**config))
     fused_err, model_err, mismatches = compare_steps(model, prompt_len=prompt_len, steps=6, twin=twin)
     assert fused_err < 1.5 * model_err + 1e-3, (fused_err, model_err)
-    assert fused_err < (0.3 if case.get("dtype") is mx.bfloat16 else 0.05)  # a wrong kernel is off by ~1
+    assert fused_err < (0.3 if config.get("dtype") is mx.bfloat16 else 0.05)
     assert mismatches == 0
 
 
@@ -212,14 +219,7 @@ def test_qwen3_fused_step_matches_the_model(case, prompt_len):
     128-key chunks, every weight kind, both 16-bit dtypes, head size 128, an untied head, linear RoPE scaling.
     Held, as Gemma 3 is, to at least the closeness of MLX's own compute dtype to the float32 twin (give or
     take 50%), and to the same clear-margin argmax."""
-    model = make_model(**{**QWEN3, **case})
-    assert model_blocker(model) is None
-    assert isinstance(decoder_for(model), Qwen3Decoder)
-    twin = float32_twin(make_model(**{**QWEN3, **case}))
-    fused_err, model_err, mismatches = compare_steps(model, prompt_len=prompt_len, steps=6, twin=twin)
-    assert fused_err < 1.5 * model_err + 1e-3, (fused_err, model_err)
-    assert fused_err < (0.3 if case.get("dtype") is mx.bfloat16 else 0.05)  # a wrong kernel is off by ~1
-    assert mismatches == 0
+    assert_as_close_as_the_model({**QWEN3, **case}, prompt_len, Qwen3Decoder)
 
 
 @gpu
@@ -284,6 +284,22 @@ class _RecordingKernel:
         return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
 
 
+def recorded_step(monkeypatch, **config):
+    """One fused step of ``make_model(**config)`` (float32: a fast prefill on a CPU) after a 199-token prefill,
+    with ``_RecordingKernel`` standing in for ``mx.fast.cuda_kernel``: ``(model, decoder, caches, launches)``."""
+    import pipeline.engine.cuda as fused
+
+    model = make_model(**{"dtype": mx.float32, **config})
+    monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
+    _RecordingKernel.launches = []
+    dec = decoder_for(model)
+    caches, _ = prefilled(model, list(range(1, 200)))
+    dec.prepare(caches, 210)
+    logits = dec.step(mx.array([5], mx.uint32), mx.array([199], mx.int32), 199, caches)
+    assert logits.shape == (1, model.args.vocab_size)
+    return model, dec, caches, _RecordingKernel.launches
+
+
 @pytest.mark.parametrize("case", [dict(), dict(model_type="qwen2", tie_word_embeddings=False, bits=8, group_size=32)],
                          ids=["llama", "qwen2-q8"])
 def test_launch_plan_covers_every_output(case, monkeypatch):
@@ -292,20 +308,13 @@ def test_launch_plan_covers_every_output(case, monkeypatch):
     (chunk, head) of the context, and each kernel gets the arrays its source names."""
     import pipeline.engine.cuda as fused
 
-    model = make_model(**{"dtype": mx.float32, **case})  # float32: a fast prefill on a CPU
-    monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
-    _RecordingKernel.launches = []
-    dec = decoder_for(model)
-    caches, _ = prefilled(model, list(range(1, 200)))
-    dec.prepare(caches, 210)
-    logits = dec.step(mx.array([5], mx.uint32), mx.array([199], mx.int32), 199, caches)
-    assert logits.shape == (1, model.args.vocab_size)
-    names = [k["name"] for k in _RecordingKernel.launches]
+    model, dec, caches, launches = recorded_step(monkeypatch, **case)
+    names = [k["name"] for k in launches]
     layers = model.args.num_hidden_layers
     assert names == ["pl_embed"] + ["pl_qkv", "pl_attn", "pl_gemv_residual", "pl_gemv_swiglu",
                                     "pl_gemv_residual"] * layers + ["pl_gemv_norm"]
     H, KVH, D = dec.n_heads, dec.n_kv_heads, dec.head_dim
-    for k in _RecordingKernel.launches:
+    for k in launches:
         blocks = k["grid"][0] // k["threadgroup"][0]
         warps = blocks * k["threadgroup"][0] // 32
         if k["name"] == "pl_qkv":
@@ -329,15 +338,7 @@ def test_gemma3_launch_plan(monkeypatch):
     200 keys (two chunks)."""
     import pipeline.engine.cuda as fused
 
-    model = make_model(**GEMMA, dtype=mx.float32)  # float32: a fast prefill on a CPU
-    monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
-    _RecordingKernel.launches = []
-    dec = decoder_for(model)
-    caches, _ = prefilled(model, list(range(1, 200)))
-    dec.prepare(caches, 210)
-    logits = dec.step(mx.array([5], mx.uint32), mx.array([199], mx.int32), 199, caches)
-    assert logits.shape == (1, GEMMA["vocab_size"])
-    launches = _RecordingKernel.launches
+    model, dec, caches, launches = recorded_step(monkeypatch, **GEMMA)
     layers = GEMMA["num_hidden_layers"]
     assert [k["name"] for k in launches] == ["pl_embed"] + ["pl_qkv_norm", "pl_attn", "pl_gemv_plain", "pl_gemv_geglu",
                                                             "pl_gemv_plain"] * layers + ["pl_gemv_res_logits"]
@@ -367,18 +368,8 @@ def test_qwen3_launch_plan(fuse_qkv, monkeypatch):
     """Qwen 3's host side (runs anywhere): Llama's five launches per layer with the per-head-norm q/k/v
     kernel first (one block per q, k and v head, the q/k norm weights and the fused matrix or the three
     matrices as its inputs); the kernel sources fill in completely."""
-    import pipeline.engine.cuda as fused
-
-    model = make_model(**QWEN3, dtype=mx.float32, fuse_qkv=fuse_qkv)  # float32: a fast prefill on a CPU
-    monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
-    _RecordingKernel.launches = []
-    dec = decoder_for(model)
+    model, dec, caches, launches = recorded_step(monkeypatch, **QWEN3, fuse_qkv=fuse_qkv)
     assert type(dec) is Qwen3Decoder
-    caches, _ = prefilled(model, list(range(1, 200)))
-    dec.prepare(caches, 210)
-    logits = dec.step(mx.array([5], mx.uint32), mx.array([199], mx.int32), 199, caches)
-    assert logits.shape == (1, QWEN3["vocab_size"])
-    launches = _RecordingKernel.launches
     layers = QWEN3["num_hidden_layers"]
     per_layer = ["pl_qkv_norm", "pl_attn", "pl_gemv_residual", "pl_gemv_swiglu", "pl_gemv_residual"]
     assert [k["name"] for k in launches] == ["pl_embed"] + per_layer * layers + ["pl_gemv_norm"]

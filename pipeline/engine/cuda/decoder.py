@@ -77,6 +77,17 @@ class Proj:
         return fill("calls.cu", "rows_dot_dense", in_dim=self.in_dim, rows=r, w=names[0], acc=acc)
 
 
+def projs_problem(groups: list[list[Proj]], what: str) -> str | None:
+    """Why one kernel cannot read these projections together, or None: a group (projections read by one
+    kernel's shared loop, e.g. q/k/v) of different quantization, or any projection with a bias; ``what``
+    names the groups in the message."""
+    if any(len({(p.bits, p.group_size) for p in group}) > 1 for group in groups):
+        return f"{what} projections of different quantization"
+    if any(p.bias is not None for group in groups for p in group):
+        return "biased projections"
+    return None
+
+
 def rope_table(rope: nn.Module, head_dim: int) -> tuple[mx.array, float, bool]:
     """``(inverse frequencies (head_dim/2,) float32, position scale, traditional)`` of a RoPE module
     (``nn.RoPE``: ``base ** (-2j / dims)``, positions times ``scale``; ``Llama3RoPE``: ``1 / freqs``)."""

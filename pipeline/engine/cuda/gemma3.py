@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .decoder import MAX_SMEM_BYTES, FusedDecoder, Proj, rope_table
+from .decoder import MAX_SMEM_BYTES, FusedDecoder, Proj, projs_problem, rope_table
 
 
 class Gemma3Decoder(FusedDecoder):
@@ -47,14 +47,10 @@ class Gemma3Decoder(FusedDecoder):
         """``(why the layer cannot run here or None, its projections)``: q/k/v of one quantization,
         gate/up of one quantization, no biases."""
         a, m = layer.self_attn, layer.mlp
-        groups = [[Proj(a.q_proj), Proj(a.k_proj), Proj(a.v_proj)], [Proj(m.gate_proj), Proj(m.up_proj)]]
-        for group in groups:
-            if len({(p.bits, p.group_size) for p in group}) > 1:
-                return "q/k/v or gate/up projections of different quantization", []
-        projs = [*groups[0], *groups[1], Proj(a.o_proj), Proj(m.down_proj)]
-        if any(p.bias is not None for p in projs):
-            return "biased projections", []
-        return None, projs
+        groups = [[Proj(a.q_proj), Proj(a.k_proj), Proj(a.v_proj)], [Proj(m.gate_proj), Proj(m.up_proj)],
+                  [Proj(a.o_proj)], [Proj(m.down_proj)]]
+        why = projs_problem(groups, "q/k/v or gate/up")
+        return (why, []) if why else (None, [p for group in groups for p in group])
 
     def _read_layer(self, layer) -> dict:
         a, m = layer.self_attn, layer.mlp

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .decoder import MAX_SMEM_BYTES, FusedDecoder, Proj, rope_table
+from .decoder import MAX_SMEM_BYTES, FusedDecoder, Proj, projs_problem, rope_table
 
 
 class Qwen3Decoder(FusedDecoder):
@@ -39,13 +39,9 @@ class Qwen3Decoder(FusedDecoder):
         a, m = layer.self_attn, layer.mlp
         if "gate_up_proj" not in m:
             return "gate/up projections are not fused (their weights differ in kind)", []
-        qkv = cls._qkv_projs(a)
-        if len({(p.bits, p.group_size) for p in qkv}) > 1:
-            return "q/k/v projections of different quantization", []
-        projs = [*qkv, Proj(a.o_proj), Proj(m.gate_up_proj), Proj(m.down_proj)]
-        if any(p.bias is not None for p in projs):
-            return "biased projections", []
-        return None, projs
+        groups = [cls._qkv_projs(a), [Proj(a.o_proj)], [Proj(m.gate_up_proj)], [Proj(m.down_proj)]]
+        why = projs_problem(groups, "q/k/v")
+        return (why, []) if why else (None, [p for group in groups for p in group])
 
     def _read_layer(self, layer) -> dict:
         a, m = layer.self_attn, layer.mlp
