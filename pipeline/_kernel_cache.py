@@ -26,12 +26,14 @@ import os
 import sys
 from pathlib import Path
 
+from .resolve import pipeline_home  # standard library only: safe before mlx.core loads
+
 CUDA_CACHE_MAXSIZE = 4 * 1024**3  # bytes: the largest the CUDA driver accepts
 
 
 def kernels_home() -> Path:
-    """``$PIPELINE_HOME/kernels`` (``$PIPELINE_HOME`` as ``pipeline.resolve.pipeline_home`` reads it)."""
-    return Path(os.environ.get("PIPELINE_HOME") or Path.home() / ".cache" / "pipeline") / "kernels"
+    """``$PIPELINE_HOME/kernels`` (``pipeline.resolve.pipeline_home``)."""
+    return pipeline_home() / "kernels"
 
 
 def ptx_cache_dir(mlx_version: str, architecture: str) -> Path:
