@@ -200,8 +200,13 @@ class FusedDecoder:
         a, m = layer.self_attn, layer.mlp
         inv, pscale, trad = rope_table(a.rope, self.head_dim)
         return {"in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                "qkv": Proj(a.qkv_proj), "o": Proj(a.o_proj), "gu": Proj(m.gate_up_proj), "down": Proj(m.down_proj),
+                **self._qkv_entries(a), "o": Proj(a.o_proj), "gu": Proj(m.gate_up_proj), "down": Proj(m.down_proj),
                 "inv_freq": inv, "pos_scale": pscale, "traditional": trad}
+
+    @staticmethod
+    def _qkv_entries(attn) -> dict:
+        """The layer entries of the q/k/v projection: ``{"qkv": Proj}`` of the fused matrix."""
+        return {"qkv": Proj(attn.qkv_proj)}
 
     # -- kernels --------------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .decoder import MAX_SMEM_BYTES, FusedDecoder, Proj, projs_problem, rope_table
+from .decoder import MAX_SMEM_BYTES, FusedDecoder, Proj, projs_problem
 
 
 class Qwen3Decoder(FusedDecoder):
@@ -43,15 +43,15 @@ class Qwen3Decoder(FusedDecoder):
         why = projs_problem(groups, "q/k/v")
         return (why, []) if why else (None, [p for group in groups for p in group])
 
+    @classmethod
+    def _qkv_entries(cls, attn) -> dict:
+        """``{"qkv": Proj}`` of a fused q/k/v matrix, else ``{"q": .., "k": .., "v": ..}`` (``_qkv_norm_kernel``)."""
+        qkv = cls._qkv_projs(attn)
+        return {"qkv": qkv[0]} if len(qkv) == 1 else dict(zip("qkv", qkv))
+
     def _read_layer(self, layer) -> dict:
-        a, m = layer.self_attn, layer.mlp
-        inv, pscale, trad = rope_table(a.rope, self.head_dim)
-        qkv = self._qkv_projs(a)
-        lay = {"qkv": qkv[0]} if len(qkv) == 1 else dict(zip("qkv", qkv))
-        return {**lay, "in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                "q_norm": a.q_norm.weight, "k_norm": a.k_norm.weight,
-                "o": Proj(a.o_proj), "gu": Proj(m.gate_up_proj), "down": Proj(m.down_proj),
-                "inv_freq": inv, "pos_scale": pscale, "traditional": trad}
+        a = layer.self_attn
+        return {**super()._read_layer(layer), "q_norm": a.q_norm.weight, "k_norm": a.k_norm.weight}
 
     def _query(self, lay: dict, h: mx.array, pos: mx.array, cache) -> mx.array:
         kern = self._qkv_norm_kernel(lay, False, cache.max_size or 0)
