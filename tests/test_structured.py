@@ -184,6 +184,61 @@ def test_every_sampler_setting_obeys_the_mask(tiny, settings):
             assert len(g.logprobs) == len(g.token_ids) and all(len(t) == 2 for t in g.top_token_ids)
 
 
+# --- the mask on the device ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab", [96, 100, 130], ids=lambda v: f"vocab{v}")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_token_mask_allows_exactly_its_bits(vocab, dtype):
+    """``TokenMask.apply`` against numpy's own unpacking of the words (little-endian bits): a logit is kept,
+    as float32, where its bit is set and is -inf elsewhere, and ids past the words' 32 * 3 are never kept.
+    On MLX's CUDA backend the kernel (``cuda.mask``) and the MLX ops both run and give the same array."""
+    import mlx.core as mx
+    import numpy as np
+
+    from pipeline.engine.cuda import mask as kernel
+    from pipeline.engine.structured import allowed_tokens
+
+    rng = np.random.default_rng(vocab)
+    bitmask = rng.integers(-2**31, 2**31 - 1, size=(5, 3), dtype=np.int64).astype(np.int32)
+    bitmask[1] = -1
+    bitmask[2] = 0
+    logits = rng.standard_normal((5, vocab)).astype(np.float32)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").astype(bool)
+    keep = np.zeros((5, vocab), dtype=bool)
+    keep[:, : min(vocab, 96)] = bits[:, :vocab]
+    x = mx.array(logits).astype(getattr(mx, dtype))
+    want = np.where(keep, np.array(x.astype(mx.float32)), -np.inf)
+    mask = allowed_tokens(bitmask, vocab)
+    assert np.array_equal(np.array(mask.words), bitmask.view(np.uint32))
+    assert np.array_equal(np.array(mask.bools()), keep)
+    for enabled in (True, False):
+        kernel.ENABLED = enabled
+        try:
+            got = mask.apply(x)
+            assert got.dtype == mx.float32 and np.array_equal(np.array(got), want), enabled
+        finally:
+            kernel.ENABLED = True
+
+
+def test_a_batch_with_constraints_lowers_the_switch_interval_and_restores_it(tiny):
+    """``SlotMasks`` lowers Python's switch interval while its worker runs (so the worker gets the GIL back
+    soon after each llguidance call) and puts the old one back when the run ends."""
+    import sys
+
+    from pipeline.engine.structured import SlotMasks
+
+    eng = tiny.engine
+    before = sys.getswitchinterval()
+    reqs = [Request(k, eng.tokenizer.encode(f"prompt {k}"), GenerateParams(
+        max_tokens=8, structured=StructuredOutputsParams(regex=WORD))) for k in range(3)]
+    seen = []
+    for _ in BatchEngine(eng, 2, 256).run(reqs):
+        seen.append(sys.getswitchinterval())
+    assert before > SlotMasks.SWITCH_INTERVAL and seen and all(v == pytest.approx(SlotMasks.SWITCH_INTERVAL) for v in seen)
+    assert sys.getswitchinterval() == before
+
+
 def test_eos_only_where_the_grammar_accepts_and_length_when_cut(tiny):
     eng = tiny.engine
     cut = eng.generate(eng.tokenizer.encode("x"), GenerateParams(

@@ -632,9 +632,9 @@ class BatchEngine:
             # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
             # With a constrained slot, only step t + 1's forward is queued: its sampling needs the masks made
             # from step t's tokens, which llguidance computes on a worker thread (``SlotMasks.start``) while
-            # that forward runs and the host records every slot's token, takes the grammar verdicts
-            # (``Decoding.settle``, once the matchers have advanced) and admits new requests; the masked
-            # sampling follows once the masks are in.
+            # that forward runs and the host records every slot's token; the masked sampling is queued as soon
+            # as the masks are in, then the host takes the grammar verdicts (``Decoding.settle``) and admits
+            # new requests while the device samples.
             ahead, deferred = None, False
             if any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots):
                 ahead = forward(current[0], current[1], active)
@@ -669,8 +669,9 @@ class BatchEngine:
                     later.append((b, s.record(toks[b], extras)))
                     continue
                 end(b, functools.partial(s.push, toks[b], extras))
-            if deferred:
-                masks.consumed()
+            if deferred:  # step t + 1's sampling, for the slots still held by the requests it computed
+                at = [d if d is not None and slots[b] is d else None for b, d in enumerate(at)]
+                ahead = sample(ahead, at, masks.wait(ahead[0].shape[-1]))
                 for b, recorded in later:
                     end(b, functools.partial(slots[b].settle, toks[b], recorded))
             changed = bool(out)  # a request ended: its slot is free
@@ -678,9 +679,6 @@ class BatchEngine:
             if None in slots and (pending or not exhausted):
                 # a new request's prefill overwrites its slot, step t + 1's write included
                 seated = admit(out, decoding=any(s is not None for s in slots))
-            if deferred:  # step t + 1's sampling, for the slots still held by the requests it computed
-                at = [d if d is not None and slots[b] is d else None for b, d in enumerate(at)]
-                ahead = sample(ahead, at, masks.wait(ahead[0].shape[-1]))
             if changed or seated:
                 active = activity()
             current = entering(seated, ahead) if seated else ahead

@@ -83,7 +83,7 @@ class RowFlags(NamedTuple):
 
 
 def sample_batch(kind: BatchKind, logits: mx.array, consts: SamplerConsts, state: SamplerState, flags: RowFlags,
-                 argmax: mx.array | None = None, allowed: mx.array | None = None):
+                 argmax: mx.array | None = None, allowed=None):
     """Pick the next token of every row: ``sample_step`` row by row, as one graph.
 
     Args:
@@ -95,8 +95,9 @@ def sample_batch(kind: BatchKind, logits: mx.array, consts: SamplerConsts, state
             ``counts`` ``(B, vocab)`` float32 (``(B, 1)`` when ``kind.penalties`` is off), ``n_out`` ``(B, 1)`` int32.
         flags: the rows' ``RowFlags``.
         argmax: ``(B,)`` uint32 argmax of ``logits`` if already computed (used when nothing changes them).
-        allowed: ``(B, vocab)`` bool, the tokens each row's structured-output grammar allows (all True on a
-            row without one; ``structured.SlotMasks``), applied as in ``sample_step``; None: every token.
+        allowed: the tokens each row's structured-output grammar allows, a ``structured.TokenMask`` of ``B``
+            rows (every token on a row without one; ``structured.SlotMasks``), applied as in ``sample_step``;
+            None: every token.
 
     Returns:
         ``(tokens (B,) uint32, state, logprobs)``: the next ``SamplerState`` (the parts ``kind`` does not
@@ -110,7 +111,7 @@ def sample_batch(kind: BatchKind, logits: mx.array, consts: SamplerConsts, state
     raw = logits.astype(mx.float32)
     x = adjusted_logits(kind, raw, consts, state)
     if allowed is not None:
-        x = mx.where(allowed, x, NEG_INF)
+        x = allowed.apply(x)
     if kind.greedy:
         best = argmax if argmax is not None and x is raw else mx.argmax(x, axis=-1)
     if kind.sampled:
@@ -204,8 +205,7 @@ class SlotSampler:
         self._suppress: mx.array | None = None
         self._vocab = 0
 
-    def step(self, slots, logits: mx.array, argmax: mx.array,
-             allowed: mx.array | None = None) -> tuple[mx.array, StepLogprobs]:
+    def step(self, slots, logits: mx.array, argmax: mx.array, allowed=None) -> tuple[mx.array, StepLogprobs]:
         """The next token of every slot from the step's ``logits`` ``(B, vocab)`` float32 and their
         ``argmax`` ``(B,)`` uint32; returns ``(tokens (B,) uint32, StepLogprobs)``, lazy (``arrays``: what
         to evaluate with the tokens). ``slots``: each slot's ``Decoding`` or None; ``allowed``: the slots'

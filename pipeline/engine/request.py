@@ -16,7 +16,7 @@ from ..errors import RowError
 from .params import GenerateParams, Generation
 from .sampler import SamplerKind, sample_step, sampler_consts, sampler_state
 from .stops import StopChecker, final_text
-from .structured import Constraint, allowed_tokens
+from .structured import Constraint, TokenMask, allowed_tokens
 
 
 @dataclass
@@ -106,8 +106,9 @@ class Decoding:
         y, self.state, extras = sample_step(self.kind, logits, self.consts, first, self.allowed(vocab))
         return y, extras
 
-    def allowed(self, vocab: int) -> mx.array | None:
-        """The tokens the request's grammar allows next, ``(1, vocab)`` bool, or None without a constraint."""
+    def allowed(self, vocab: int) -> TokenMask | None:
+        """The tokens the request's grammar allows next (one row over ``vocab`` logits), or None without a
+        constraint."""
         return None if self.constraint is None else allowed_tokens(self.constraint.mask(), vocab)
 
     def push(self, tok: int, extras: tuple) -> tuple | None:

@@ -231,7 +231,7 @@ def adjusted_logits(kind, raw: mx.array, consts, state) -> mx.array:
     return x
 
 
-def sample_step(kind: SamplerKind, logits: mx.array, consts, state, allowed: mx.array | None = None):
+def sample_step(kind: SamplerKind, logits: mx.array, consts, state, allowed=None):
     """Pick the next token.
 
     Args:
@@ -239,7 +239,7 @@ def sample_step(kind: SamplerKind, logits: mx.array, consts, state, allowed: mx.
         logits: ``(1, vocab)`` model logits (any float dtype; upcast to float32).
         consts: ``SamplerConsts`` (or its arrays in field order) from ``sampler_consts``.
         state: ``SamplerState`` (or its arrays in field order) from ``sampler_state`` or the previous step.
-        allowed: ``(1, vocab)`` bool, the tokens a structured-output grammar allows
+        allowed: the tokens a structured-output grammar allows, a ``structured.TokenMask`` of one row
             (``structured.allowed_tokens``): the others get -inf after the penalties, before greedy or the
             temperature and filters; None: every token.
 
@@ -253,7 +253,7 @@ def sample_step(kind: SamplerKind, logits: mx.array, consts, state, allowed: mx.
     raw = logits.astype(mx.float32)
     x = adjusted_logits(kind, raw, consts, state)
     if allowed is not None:
-        x = mx.where(allowed, x, NEG_INF)
+        x = allowed.apply(x)
     if kind.greedy:
         token = mx.argmax(x, axis=-1)
     else:

@@ -4,11 +4,11 @@ object, a regex, a choice of strings or a Lark grammar.
 ``StructuredOutputsParams`` names the constraint as vLLM's ``StructuredOutputsParams`` does. Each
 constrained request gets a ``Constraint``: an ``llguidance.LLMatcher`` over the model's tokenizer, which
 consumes every generated token and computes the mask of tokens allowed next (a bitmask, 32 ids per int32
-word, bit ``i % 32`` of word ``i // 32``). The mask goes to the device as that bitmask and is unpacked
-there (``allowed_tokens``) into a ``(rows, vocab)`` bool array that the sampler applies before every
-sampler setting (``sampler.sample_step``, ``batch_sampler.sample_batch``). llguidance computes a mask
-with the GIL released, so it runs while the device computes the step's forward (the decode loops queue
-the forward first, read the previous token, then compute the mask).
+word, bit ``i % 32`` of word ``i // 32``). The mask goes to the device as that bitmask (``allowed_tokens``:
+a ``TokenMask``), and the sampler applies it before every sampler setting (``sampler.sample_step``,
+``batch_sampler.sample_batch``; on MLX's CUDA backend one kernel, ``cuda.mask``). llguidance computes a
+mask with the GIL released, so it runs while the device computes the step's forward (the decode loops
+queue the forward first, read the previous token, then compute the mask).
 
 EOS and the request's ``stop_token_ids`` are allowed only where the grammar accepts (llguidance sets the
 EOS bits there; the other stop ids copy them). A request whose matcher has stopped (the grammar admits
@@ -18,7 +18,9 @@ no further token) ends with finish_reason "stop" without sampling an EOS.
 from __future__ import annotations
 
 import functools
+import io
 import json
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import JobSpecError, RowError
+from .cuda.mask import mask_kernel
 
 KEYS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -214,16 +217,23 @@ class Constraint:
 class SlotMasks:
     """The masks of every slot of a batch, computed together by llguidance's thread pool.
 
-    ``start`` hands one step's work (advancing each constrained slot's matcher by its token, then the next
-    masks) to a worker thread and returns at once, so the host records the step's tokens (``Decoding.record``)
-    while llguidance runs with the GIL released; ``consumed`` returns once the matchers have advanced (their
-    verdicts kept in ``Constraint.ahead``: the host settles the step and admits new requests while the masks
-    are computed), ``wait`` returns the masks. Between ``start`` and ``wait``, nothing but the worker may
-    touch those slots' matchers.
+    ``start`` hands one step's work to a worker thread and returns at once: advancing each constrained
+    slot's matcher by its token, then at once the masks of their next tokens (two llguidance calls back to
+    back, each over every slot in parallel with the GIL released), then each matcher's verdict (kept in
+    ``Constraint.ahead``). The host records the step's tokens (``Decoding.record``) meanwhile; ``wait``
+    returns the masks, and after it ``Decoding.settle`` takes the verdicts. Between ``start`` and ``wait``,
+    nothing but the worker may touch those slots' matchers.
+
+    While a worker step is in flight the host's Python and the worker share the GIL: the worker needs it
+    back after each llguidance call, and Python hands it over only every ``sys.getswitchinterval()``
+    seconds (5 ms by default) while the host runs Python. So the first ``start`` lowers the interval to
+    ``SWITCH_INTERVAL`` (when it is longer; ``close`` restores it).
 
     Args:
         B: slots.
     """
+
+    SWITCH_INTERVAL: float | None = 2e-4  # seconds (None: leave Python's interval alone)
 
     def __init__(self, B: int):
         self.B = B
@@ -231,7 +241,7 @@ class SlotMasks:
         self.bitmask: np.ndarray | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._job: Future | None = None
-        self._consumed: Future | None = None
+        self._interval: float | None = None  # Python's switch interval before ``start`` lowered it
 
     def _executor(self) -> llguidance.LLExecutor:
         if self.executor is None:
@@ -240,93 +250,146 @@ class SlotMasks:
 
     def start(self, slots, tokens: list[int]) -> None:
         """Begin, on the worker thread, advancing every constrained slot's matcher by its token ``tokens[b]``
-        (all in parallel, ``consume_token_par``; a stop id is left unconsumed: it ends its row) and then
-        computing the masks of the slots' next tokens (``allowed``'s). ``Constraint.consume`` takes the
-        verdicts after ``wait``. ``slots``: each slot's ``Decoding`` or None, as the step saw them."""
+        (a stop id is left unconsumed: it ends its row), computing the masks of the slots' next tokens
+        (``allowed``'s) and keeping the verdicts for ``Constraint.consume``. ``slots``: each slot's
+        ``Decoding`` or None, as the step saw them."""
         if self._job is not None:
             raise RuntimeError("SlotMasks.start: the previous step's masks were not waited for")
-        constraints = [(d.constraint, b) for b, d in enumerate(slots) if d is not None and d.constraint is not None]
-        feed = [(c, tokens[b]) for (c, b), d in zip(constraints, (slots[b] for _, b in constraints))
-                if tokens[b] not in d.stop_ids]
+        constraints = _constraints(slots)
+        feed = [(c, tokens[b]) for c, b in constraints if tokens[b] not in slots[b].stop_ids]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline-masks")
-        self._consumed = Future()
-        self._job = self._pool.submit(self._work, constraints, feed, self._consumed)
+            if self.SWITCH_INTERVAL is not None and sys.getswitchinterval() > self.SWITCH_INTERVAL:
+                self._interval = sys.getswitchinterval()
+                sys.setswitchinterval(self.SWITCH_INTERVAL)
+        self._job = self._pool.submit(self._work, constraints, feed)
 
-    def _work(self, constraints, feed, consumed: Future) -> list:
-        try:
-            if feed:
-                oks = llnp.consume_token_par(self._executor(), [(c.matcher, t) for c, t in feed])
-                for (c, t), ok in zip(feed, oks):
-                    c.verdict(t, ok)
-        except BaseException as e:
-            consumed.set_exception(e)
-            raise
-        consumed.set_result(None)
-        return self._fill(constraints)
+    def _work(self, constraints: list, feed: list) -> list | None:
+        """Advance the matchers of ``feed`` (``(Constraint, token)``), fill the masks of ``constraints``
+        (``(Constraint, slot)``), then keep the advanced matchers' verdicts; returns ``_fill``'s rows."""
+        if not constraints:
+            return None
+        executor, words = self._executor(), self._bitmask(constraints)
+        pairs = [(c.matcher, b) for c, b in constraints]
+        oks = llnp.consume_token_par(executor, [(c.matcher, t) for c, t in feed]) if feed else []
+        llnp.fill_next_token_bitmask_par(executor, pairs, words)
+        for (c, t), ok in zip(feed, oks):
+            c.verdict(t, ok)
+        return self._rows(constraints)
 
-    def consumed(self) -> None:
-        """Return once ``start``'s matchers have advanced (``Constraint.consume`` may take their verdicts).
-
-        Raises:
-            Exception: whatever llguidance raised on the worker thread.
-        """
-        self._consumed.result()
-
-    def wait(self, vocab: int) -> mx.array | None:
+    def wait(self, vocab: int) -> TokenMask | None:
         """The masks ``start`` began, as ``allowed`` returns them (None: no constrained slot).
 
         Raises:
             Exception: whatever llguidance raised on the worker thread.
         """
         job, self._job = self._job, None
-        rows = job.result()
-        return self._finish(rows, vocab)
+        return self._finish(job.result(), vocab)
 
     def close(self) -> None:
-        """Stop the worker thread (after the job in flight, if any)."""
+        """Stop the worker thread (after the job in flight, if any) and restore Python's switch interval."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._interval is not None:
+            sys.setswitchinterval(self._interval)
+            self._interval = None
 
-    def allowed(self, slots, vocab: int) -> mx.array | None:
-        """``(B, vocab)`` bool of the tokens each slot may take next (every token for a slot without a
-        constraint, or whose matcher has stopped or failed: that row ends at its last token), or None when
-        no slot has one (unconstrained batches pay nothing). ``slots``: each slot's ``Decoding`` or None."""
-        constraints = [(d.constraint, b) for b, d in enumerate(slots) if d is not None and d.constraint is not None]
-        return self._finish(self._fill(constraints), vocab)
-
-    def _fill(self, constraints: list) -> list | None:
-        """The bitmask rows of ``constraints`` (``(Constraint, slot)``) filled by llguidance (-1: every token,
-        for a matcher that has stopped or failed); returns the rows filled, or None without constraints."""
+    def allowed(self, slots, vocab: int) -> TokenMask | None:
+        """The tokens each slot may take next (every token for a slot without a constraint, or whose matcher
+        has stopped or failed: that row ends at its last token), ``(B, vocab)``, or None when no slot has
+        one (unconstrained batches pay nothing). ``slots``: each slot's ``Decoding`` or None."""
+        constraints = _constraints(slots)
         if not constraints:
             return None
-        rows = [(c, b) for c, b in constraints if not (c.matcher.is_stopped() or c.matcher.is_error())]
+        llnp.fill_next_token_bitmask_par(self._executor(), [(c.matcher, b) for c, b in constraints],
+                                         self._bitmask(constraints))
+        return self._finish(self._rows(constraints), vocab)
+
+    def _bitmask(self, constraints: list) -> np.ndarray:
+        """The ``(B, words)`` int32 bitmask, every bit set (the rows llguidance does not fill allow every token)."""
         words = constraints[0][0].words
         if self.bitmask is None or self.bitmask.shape[1] != words:
             self.bitmask = np.empty((self.B, words), dtype=np.int32)
         self.bitmask.fill(-1)
-        if rows:
-            llnp.fill_next_token_bitmask_par(self._executor(), [(c.matcher, b) for c, b in rows], self.bitmask)
+        return self.bitmask
+
+    def _rows(self, constraints: list) -> list:
+        """After llguidance filled ``constraints``' rows: a matcher that has stopped or failed gets every token
+        (llguidance gave it EOS alone; its row ends at its last token); the others' stop ids are fixed
+        (``Constraint.fix_stops``). Returns the ``(Constraint, slot)`` of the rows kept."""
+        rows = []
+        for c, b in constraints:
+            if c.stopped or c.matcher.is_error():
+                self.bitmask[b] = -1
+            else:
+                c.fix_stops(self.bitmask[b])
+                rows.append((c, b))
         return rows
 
-    def _finish(self, rows: list | None, vocab: int) -> mx.array | None:
-        if rows is None:
-            return None
-        for c, b in rows:
-            c.fix_stops(self.bitmask[b])
-        return allowed_tokens(self.bitmask, vocab)
+    def _finish(self, rows: list | None, vocab: int) -> TokenMask | None:
+        return None if rows is None else allowed_tokens(self.bitmask, vocab)
+
+
+def _constraints(slots) -> list:
+    """``(Constraint, slot)`` of every slot whose request has one."""
+    return [(d.constraint, b) for b, d in enumerate(slots) if d is not None and d.constraint is not None]
 
 
 _BIT = mx.arange(32, dtype=mx.uint32)
+_UPLOAD: list = []  # the stream the bitmasks are copied to the GPU on (CUDA), made at first use
 
 
-def allowed_tokens(bitmask: np.ndarray, vocab: int) -> mx.array:
-    """A llguidance bitmask ``(rows, words)`` int32 unpacked on the device: ``(rows, vocab)`` bool, True
-    where a token is allowed (ids past ``32 * words``, logits beyond the tokenizer's vocabulary: False)."""
-    words = mx.array(bitmask.view(np.uint32))
-    bits = ((words[:, :, None] >> _BIT) & 1).reshape(bitmask.shape[0], -1).astype(mx.bool_)
-    n = bits.shape[1]
-    if n >= vocab:
-        return bits[:, :vocab]
-    return mx.concatenate([bits, mx.zeros((bits.shape[0], vocab - n), mx.bool_)], axis=1)
+def device_words(bitmask: np.ndarray) -> mx.array:
+    """A llguidance bitmask ``(rows, words)`` int32 on the default device as uint32, evaluated.
+
+    On MLX's CUDA backend the copy goes through ``mx.load`` of the bitmask's ``.npy`` bytes on a stream of
+    its own: MLX's ``Load`` copies host bytes into device memory with ``cudaMemcpyAsync``, where
+    ``mx.array(bitmask)`` lands in CUDA managed memory that the GPU then reads by page faults (on an H200,
+    256 rows of a 49,152-token vocabulary: 1.36 ms that way, docs/BENCHMARKS.md); its own stream, so the
+    copy waits for nothing queued on the default one."""
+    words = bitmask.view(np.uint32)
+    if not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
+        return mx.array(words)
+    if not _UPLOAD:
+        _UPLOAD.append(mx.new_stream(mx.gpu))
+    f = io.BytesIO()
+    np.save(f, words, allow_pickle=False)
+    f.seek(0)
+    return mx.load(f, format="npy", stream=_UPLOAD[0])
+
+
+class TokenMask:
+    """The tokens each row may take next, on the device: a llguidance bitmask's words.
+
+    Args:
+        words: ``(rows, words)`` uint32; token ``i`` is allowed where bit ``i % 32`` of word ``i // 32`` is set.
+        vocab: logits per row (ids from ``32 * words`` on, logits beyond the tokenizer's vocabulary: not
+            allowed).
+    """
+
+    def __init__(self, words: mx.array, vocab: int):
+        self.words, self.vocab = words, vocab
+
+    def bools(self) -> mx.array:
+        """``(rows, vocab)`` bool, True where a token is allowed (MLX ops)."""
+        w = self.words
+        bits = ((w[:, :, None] >> _BIT) & 1).reshape(w.shape[0], -1).astype(mx.bool_)
+        n = bits.shape[1]
+        if n >= self.vocab:
+            return bits[:, : self.vocab]
+        return mx.concatenate([bits, mx.zeros((bits.shape[0], self.vocab - n), mx.bool_)], axis=1)
+
+    def apply(self, x: mx.array) -> mx.array:
+        """``x`` ``(rows, vocab)`` (any float dtype) as float32 with every token not allowed at -inf: one
+        kernel on MLX's CUDA backend (``cuda.mask``), else ``mx.where`` over ``bools()``."""
+        call = mask_kernel(x)
+        if call is not None:
+            return call(x, self.words)
+        return mx.where(self.bools(), x.astype(mx.float32), float("-inf"))
+
+
+def allowed_tokens(bitmask: np.ndarray, vocab: int) -> TokenMask:
+    """A llguidance bitmask ``(rows, words)`` int32 on the device (``device_words``) as a ``TokenMask`` over
+    ``vocab`` logits a row."""
+    return TokenMask(device_words(bitmask), vocab)

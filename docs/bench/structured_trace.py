@@ -1,0 +1,171 @@
+"""Where a structured-output decode step's time goes: the batched job's host timeline, with and without a JSON
+schema (jobs/bench_structured.yaml's), on the real default model, in one process.
+
+The run loop (``BatchEngine.run``) is timed from outside: the step's forward and sampling as queued, the
+host's wait for the step's tokens (the time from the forward queued to the masks started), the structured
+path's wait for the masks (``SlotMasks.wait``) and their upload, and the worker thread's llguidance calls
+(``consume_token_par``, the batched mask). Variants (``--variants``), each with and without the schema:
+``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval kept);
+``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``' ``mx.load``);
+``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off).
+
+Usage (from the repository root)::
+
+    PYTHONPATH=. python docs/bench/structured_trace.py --rows 512 --batch-size 256 --max-tokens 128 \
+        --variants default,switch-off,mx-array,no-kernel
+
+Prints one JSON line per (variant, schema or not): tok/s, steps, and the median milliseconds per step of each
+interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pipeline
+import llguidance
+import llguidance.numpy as llnp
+import yaml
+
+from pipeline.bench.throughput import file_prompts
+from pipeline.engine import BatchEngine, GenerateParams, Request
+from pipeline.engine import batch as batch_mod
+from pipeline.engine import structured as st
+from pipeline.engine.batch_sampler import SlotSampler
+from pipeline.engine.cuda import mask as mask_kernel
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+SPANS: dict[str, list[float]] = defaultdict(list)
+MARK: dict[str, float] = {}
+
+
+def timed(name, fn):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            t1 = time.perf_counter()
+            SPANS[name].append(t1 - t0)
+            MARK[name] = t1
+    return wrapper
+
+
+def instrument(threads: int | None):
+    cls = st.SlotMasks
+    orig_start = cls.start
+
+    def start(self, slots, tokens):
+        now = time.perf_counter()
+        if "forward" in MARK:
+            SPANS["read tokens"].append(now - MARK["forward"])
+        return orig_start(self, slots, tokens)
+
+    cls.start = start
+    orig_wait = cls.wait
+
+    def wait(self, vocab):
+        t0 = time.perf_counter()
+        job, self._job = self._job, None
+        rows = job.result()
+        t1 = time.perf_counter()
+        out = self._finish(rows, vocab)
+        SPANS["wait: masks"].append(t1 - t0)
+        SPANS["host: upload"].append(time.perf_counter() - t1)
+        return out
+
+    cls.wait = wait
+    st.llnp.consume_token_par = timed("worker: advance", llnp.consume_token_par)
+    st.llnp.fill_next_token_bitmask_par = timed("worker: masks", llnp.fill_next_token_bitmask_par)
+    def executor(self):
+        if self.executor is None:
+            self.executor = llguidance.LLExecutor(threads)
+        return self.executor
+
+    cls._executor = executor
+    SlotSampler.step = timed("queue: sampling", SlotSampler.step)
+    orig_fn = BatchEngine._step_fn
+
+    def step_fn(self):
+        return timed("forward", orig_fn(self))
+
+    BatchEngine._step_fn = step_fn
+
+
+def run(lm, prompts, params, b):
+    SPANS.clear()
+    MARK.clear()
+    t0 = time.perf_counter()
+    gens = [g for _, g in BatchEngine(lm.engine, b, max(len(p) for p in prompts) + params.max_tokens)
+            .run([Request(i, p, params) for i, p in enumerate(prompts)])]
+    s = time.perf_counter() - t0
+    n = sum(len(g.token_ids) for g in gens)
+    steps = len(SPANS["forward"])
+    out = {"tok_s": round(n / s, 1), "tokens": n, "seconds": round(s, 3), "steps": steps,
+           "ms_per_step": round(1e3 * s / max(steps, 1), 3)}
+    for k, v in SPANS.items():
+        out[k] = {"median_ms": round(1e3 * statistics.median(v), 3), "total_s": round(sum(v), 3), "n": len(v)}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--variants", default="default")
+    ap.add_argument("--threads", type=int, default=None, help="llguidance LLExecutor threads (default: its own)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    schema = yaml.safe_load((ROOT / "jobs/bench_structured.yaml").read_text())["generation"]["structured"]["json"]
+    lm = pipeline.load_model(batch_size=args.batch_size)
+    prompts = file_prompts(ROOT / "data_samples/real_prompts_1024.parquet", "prompt", lm.tokenizer, args.rows)
+    instrument(args.threads)
+    settings = {"plain": GenerateParams(max_tokens=args.max_tokens),
+                "json": GenerateParams(max_tokens=args.max_tokens, structured=st.StructuredOutputsParams(json=schema))}
+    for params in settings.values():
+        run(lm, prompts[: args.batch_size], GenerateParams(max_tokens=8, structured=params.structured), args.batch_size)
+    results = []
+    device_words, interval = st.device_words, st.SlotMasks.SWITCH_INTERVAL
+    for name in args.variants.split(","):
+        st.device_words = device_words if name != "mx-array" else (lambda bm: mx.array(bm.view(np.uint32)))
+        st.SlotMasks.SWITCH_INTERVAL = None if name == "switch-off" else interval
+        mask_kernel.ENABLED = name != "no-kernel"
+        for kind, params in settings.items():
+            row = {"variant": name, "kind": kind, **run(lm, prompts, params, args.batch_size)}
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    results.append(upload_costs(args.batch_size, lm.tokenizer.vocab_size))
+    print(json.dumps(results[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def upload_costs(rows: int, vocab: int, trials: int = 30) -> dict:
+    """Median ms of one step's mask on the device (a random bitmask of ``rows`` rows uploaded, then applied to
+    ``(rows, vocab)`` float32 logits, evaluated), by ``mx.array`` and by ``structured.device_words``."""
+    words = (vocab + 31) // 32
+    bm = np.random.default_rng(0).integers(-2**31, 2**31 - 1, size=(rows, words), dtype=np.int64).astype(np.int32)
+    x = mx.zeros((rows, vocab), mx.float32)
+    mx.eval(x)
+    out = {"upload_rows": rows}
+    for name, up in (("mx.array", lambda b: mx.array(b.view(np.uint32))), ("device_words", st.device_words)):
+        ts = []
+        for k in range(trials + 5):
+            bm[0, 0] += 1
+            t0 = time.perf_counter()
+            mx.eval(st.TokenMask(up(bm), vocab).apply(x))
+            ts.append(time.perf_counter() - t0)
+        out[f"{name}_ms"] = round(1e3 * statistics.median(ts[5:]), 3)
+    return out
+
+
+if __name__ == "__main__":
+    main()
