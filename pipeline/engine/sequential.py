@@ -8,6 +8,7 @@ import time
 
 import mlx.core as mx
 
+from ..models.base import output_logits
 from .cache import make_caches
 from .compiled import ClosureSet
 from .params import GenerateParams, Generation
@@ -18,6 +19,7 @@ from .step import choose_path, request_blocker
 from .views import head, layer_capacity, layer_kind, put_head
 
 log = logging.getLogger("pipeline")
+PAD_MIN = 16  # shortest padded prefill chunk (tokens), as the batched group prefill's PREFILL_MIN_BUCKET
 
 
 class Engine:
@@ -49,6 +51,14 @@ class Engine:
             changes the arithmetic of the rest, not which greedy tokens win, to float rounding). None
             (default): True on the CPU, False on a GPU, where one-block chunks cost a launch per kernel
             per 32 tokens and a wait for the device per block.
+        pad_prefill: run a prompt's last prefill chunk padded (after the prompt) to a power-of-two length of
+            at least ``PAD_MIN`` tokens (at most ``prefill_step_size``), the padding then trimmed from the
+            caches, so that prefill meets a handful of shapes, each compiled once (``prefill_lengths``; the
+            warm-up runs them), instead of one per prompt length: on an H200 a job's first 100 rows ran at
+            34% of their rate on a warm kernel cache, new prompt lengths compiling as they came
+            (docs/BENCHMARKS.md). Only where every cache can trim (no quantized storage, no ring the padding
+            would wrap). None (default): on a GPU; the CPU compiles nothing per shape and keeps its exact
+            arithmetic.
 
     Attributes:
         path: the ``step.DecodePath`` chosen.
@@ -70,7 +80,7 @@ class Engine:
 
     def __init__(self, model, eos_token_ids, context_length: int, prefill_step_size: int = 512,
                  cache_spec=None, compile: bool | str = True, tokenizer=None, fused: bool | str = "auto",
-                 batch_size: int = 1, exact_prefix: bool | None = None):
+                 batch_size: int = 1, exact_prefix: bool | None = None, pad_prefill: bool | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -98,6 +108,7 @@ class Engine:
         windows = [c.max_size for c in self.cache if c.max_size is not None]
         self._window = min(windows) if windows else None
         self.exact_prefix = mx.default_device() == mx.cpu if exact_prefix is None else bool(exact_prefix)
+        self.pad_prefill = mx.default_device() == mx.gpu if pad_prefill is None else bool(pad_prefill)
         self.prefill_tokens = 0
         self._last: tuple | None = None  # (prompt ids, last logits) while the caches hold exactly that prompt
 
@@ -132,7 +143,36 @@ class Engine:
             self.model(prompt[None, start : start + step], self.cache)
             mx.eval([c.state for c in self.cache])
             start += step
-        return self.model(prompt[None, start:], self.cache, last_only=True)[:, -1, :]
+        size = self._padded(start, n - start)
+        if size == n - start:
+            return self.model(prompt[None, start:], self.cache, last_only=True)[:, -1, :]
+        x = mx.concatenate([prompt[start:], mx.zeros((size - (n - start),), dtype=prompt.dtype)])
+        h = self.model.model(x[None], self.cache)  # padding after the prompt: no prompt position sees it
+        for c in self.cache:
+            c.trim(n)
+        return output_logits(self.model, h[:, n - start - 1 : n - start, :], False)[:, -1, :]
+
+    def _padded(self, start: int, length: int) -> int:
+        """The length the last prefill chunk (``length`` tokens after ``start``) runs at: ``length``, or with
+        ``pad_prefill`` the next power of two >= ``PAD_MIN`` if it fits the chunk size and every cache."""
+        if not self.pad_prefill:
+            return length
+        size = max(PAD_MIN, 1 << (length - 1).bit_length())
+        if size > self.prefill_step_size or any(c.bits is not None or (c.max_size is not None and start + size
+                                                                         > c.max_size) for c in self.cache):
+            return length
+        return size
+
+    def prefill_lengths(self) -> list[int]:
+        """The chunk lengths ``prefill`` pads to (``pad_prefill``; [] when off): powers of two from ``PAD_MIN``
+        up to ``prefill_step_size``, and that size itself (a longer prompt's full chunks)."""
+        if not self.pad_prefill:
+            return []
+        sizes, size = [], PAD_MIN
+        while size < self.prefill_step_size:
+            sizes.append(size)
+            size *= 2
+        return sizes + [self.prefill_step_size]
 
     def prefill_prompt(self, ids: list[int]) -> tuple[mx.array, int]:
         """Fill the caches with prompt ``ids`` (non-empty) and return ``(logits (1, vocab), cached)``: the

@@ -1,0 +1,91 @@
+"""Padded prefill (``Engine.pad_prefill``, on by default on a GPU): a prompt's last chunk runs at a
+power-of-two length and the padding is trimmed from the caches, so prefill meets a few shapes. Forced on
+here, on the CPU: the caches and logits it leaves are those of the prompt alone (to float rounding), it
+keeps llama.cpp's next-token logprobs on the default model, and it stays off where a cache cannot trim."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import pipeline  # noqa: F401  (OpenBLAS before tiny_model imports mlx.core, as in `pipeline run`)
+
+# isort: split
+from test_parity_llamacpp import TOP1_MARGIN, TOP5_TOLERANCE
+from tiny_model import write_tiny_model
+
+from pipeline import load_model
+from pipeline.engine import GenerateParams
+from pipeline.engine.sequential import PAD_MIN
+from pipeline.jobspec import CacheSpec
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _keys(engine, n):
+    return [np.array(c.keys[..., :n, :]) for c in engine.cache]
+
+
+@pytest.mark.parametrize("n", [3, 16, 17, 40, 70])
+def test_the_caches_and_logits_are_the_prompts_own(tiny, n):
+    lm = load_model(path=tiny, prefill_step_size=64)
+    eng = lm.engine
+    ids = [1 + (7 * i) % 200 for i in range(n)]
+    eng.pad_prefill = False
+    want, keys = np.array(eng.forward(ids)), _keys(eng, n)
+    eng.pad_prefill = True
+    size = eng._padded(0, n) if n <= 64 else eng._padded(64, n - 64)
+    assert size == max(PAD_MIN, 1 << ((min(n, 64) if n <= 64 else n - 64) - 1).bit_length())
+    got = np.array(eng.forward(ids))
+    assert all(c.offset == n for c in eng.cache)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    for a, b in zip(_keys(eng, n), keys):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    params = GenerateParams(max_tokens=6, ignore_eos=True)
+    eng.pad_prefill = False
+    plain = eng.generate(ids, params).token_ids
+    eng.pad_prefill = True
+    assert eng.generate(ids, params).token_ids == plain
+
+
+def test_lengths_and_where_it_stays_off(tiny):
+    lm = load_model(path=tiny, prefill_step_size=100)
+    eng = lm.engine
+    eng.pad_prefill = True
+    assert eng.prefill_lengths() == [16, 32, 64, 100]
+    assert eng._padded(0, 70) == 70  # 128 would exceed the chunk size
+    assert eng._padded(0, 5) == 16 and eng._padded(0, 33) == 64
+    ring = load_model(path=tiny, cache_spec=CacheSpec(max_kv_size=20)).engine
+    ring.pad_prefill = True
+    assert ring._padded(0, 3) == 16 and ring._padded(10, 3) == 3  # 10 + 16 would wrap the 20-slot ring
+    eng.pad_prefill = False
+    assert eng.prefill_lengths() == [] and eng._padded(0, 5) == 5
+
+
+def test_the_warm_up_runs_every_padded_length(tiny, monkeypatch):
+    lm = load_model(path=tiny, prefill_step_size=64)
+    lm.engine.pad_prefill = True
+    seen = []
+    forward = lm.engine.forward
+    monkeypatch.setattr(lm.engine, "forward", lambda ids: seen.append(len(ids)) or forward(ids))
+    lm.warm_up()
+    assert seen == [16, 32, 64]
+
+
+def test_padded_prefill_keeps_llamacpp_logprobs(default_model_path, llamacpp_cases):
+    quant = load_model(path=default_model_path, cache_spec=CacheSpec(kv_bits=8, kv_group_size=64)).engine
+    quant.pad_prefill = True
+    assert quant._padded(0, 3) == 3  # quantized storage: never padded
+    lm = load_model(path=default_model_path)
+    lm.engine.pad_prefill = True
+    for case in llamacpp_cases:
+        assert lm.engine._padded(0, len(case["chat_ids"])) > len(case["chat_ids"]) or len(case["chat_ids"]) >= 16
+        lp = lm.logprobs(case["chat_ids"])
+        ref_ids, ref_lp = case["top10_ids"], np.array(case["top10_logprobs"])
+        if ref_lp[0] - ref_lp[1] >= TOP1_MARGIN:
+            assert int(lp.argmax()) == ref_ids[0], case["prompt"]
+        np.testing.assert_allclose(lp[ref_ids[:5]], ref_lp[:5], atol=TOP5_TOLERANCE, err_msg=case["prompt"])
