@@ -7,7 +7,8 @@ path's wait for the masks (``SlotMasks.wait``) and their upload, and the worker 
 (``consume_token_par``, the batched mask). Variants (``--variants``), each with and without the schema:
 ``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval kept);
 ``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``' ``mx.load``);
-``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off).
+``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N`` (llguidance's
+``LLExecutor`` with N threads, not its default).
 
 Usage (from the repository root)::
 
@@ -58,7 +59,10 @@ def timed(name, fn):
     return wrapper
 
 
-def instrument(threads: int | None):
+THREADS: list = [None]  # llguidance LLExecutor threads of the next run (None: its default)
+
+
+def instrument():
     cls = st.SlotMasks
     orig_start = cls.start
 
@@ -86,7 +90,7 @@ def instrument(threads: int | None):
     st.llnp.fill_next_token_bitmask_par = timed("worker: masks", llnp.fill_next_token_bitmask_par)
     def executor(self):
         if self.executor is None:
-            self.executor = llguidance.LLExecutor(threads)
+            self.executor = llguidance.LLExecutor(THREADS[0])
         return self.executor
 
     cls._executor = executor
@@ -121,13 +125,12 @@ def main():
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--variants", default="default")
-    ap.add_argument("--threads", type=int, default=None, help="llguidance LLExecutor threads (default: its own)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     schema = yaml.safe_load((ROOT / "jobs/bench_structured.yaml").read_text())["generation"]["structured"]["json"]
     lm = pipeline.load_model(batch_size=args.batch_size)
     prompts = file_prompts(ROOT / "data_samples/real_prompts_1024.parquet", "prompt", lm.tokenizer, args.rows)
-    instrument(args.threads)
+    instrument()
     settings = {"plain": GenerateParams(max_tokens=args.max_tokens),
                 "json": GenerateParams(max_tokens=args.max_tokens, structured=st.StructuredOutputsParams(json=schema))}
     for params in settings.values():
@@ -138,6 +141,7 @@ def main():
         st.device_words = device_words if name != "mx-array" else (lambda bm: mx.array(bm.view(np.uint32)))
         st.SlotMasks.SWITCH_INTERVAL = None if name == "switch-off" else interval
         mask_kernel.ENABLED = name != "no-kernel"
+        THREADS[0] = int(name.split("-")[1]) if name.startswith("threads-") else None
         for kind, params in settings.items():
             row = {"variant": name, "kind": kind, **run(lm, prompts, params, args.batch_size)}
             print(json.dumps(row), flush=True)
