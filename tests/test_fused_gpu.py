@@ -19,6 +19,7 @@ from mlx.utils import tree_map
 
 from pipeline.bench import random_weights
 from pipeline.engine.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from pipeline.jobspec import CacheSpec
 from pipeline.engine import Engine, GenerateParams
 from pipeline.engine.cuda import FusedDecoder, Gemma3Decoder, Qwen3Decoder, decoder_for, fused_blocker, model_blocker
 from pipeline.models import build_model, dequantize_model
@@ -245,6 +246,36 @@ def test_engine_uses_fused_step_and_reuses_caches(config, prompt, decoder):
     assert not plain.fused
     agree = sum(x == y for x, y in zip(plain.token_ids, fresh.token_ids))
     assert agree >= 30, (plain.token_ids, fresh.token_ids)
+
+
+@gpu
+@pytest.mark.parametrize("config, prompt_len", [({}, 120), ({}, 300), (GEMMA, 64), (QWEN3, 130),
+                                                (dict(max_kv_size=64), 100)],
+                         ids=["llama", "llama-3-chunks", "gemma3", "qwen3", "llama-ring"])
+def test_the_replayed_step_is_the_step_built_each_token(config, prompt_len):
+    """``Engine.compile_fused``: the fused step over the caches' whole capacity (``n_ctx`` None), compiled once
+    and replayed, gives bitwise the tokens and logprobs of the step built token by token with its position's
+    grid, over positions that cross 128-key chunks (and a ring that wraps)."""
+    config = dict(config)
+    window = config.pop("max_kv_size", None)
+    model = make_model(**config)
+    prompt = list(range(5, 5 + prompt_len))
+    spec = None if window is None else CacheSpec(max_kv_size=window)
+    params = GenerateParams(max_tokens=20, ignore_eos=True, logprobs=0)
+    runs = {}
+    for replay in (True, False):
+        eng = Engine(model, [], 2048, cache_spec=spec)
+        eng.compile_fused = replay
+        builds = []
+        orig = eng.fused.step
+        eng.fused.step = lambda *a, orig=orig, builds=builds: builds.append(a[2]) or orig(*a)
+        g = eng.generate(prompt, params)
+        assert g.fused
+        runs[replay] = (g.token_ids, g.logprobs, builds, len(eng._fused_closures))
+    (tok_r, lp_r, built_r, n_closures), (tok_e, lp_e, built_e, _) = runs[True], runs[False]
+    assert tok_r == tok_e and lp_r == lp_e
+    assert built_r == [None] and n_closures == 1  # traced once, over the whole capacity
+    assert built_e == list(range(prompt_len, prompt_len + 19))
 
 
 def test_fused_blocker_off_cuda_or_unsupported_caches():

@@ -40,7 +40,8 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
 
     Models: any model spec (``load_model``'s rules: dtype "auto", the "auto" dequantize rule), or
     random weights of a named real shape (``RANDOM_SHAPES``). ``variants``: ``eager``, ``compiled``,
-    ``fused`` (the fused CUDA step; listed as skipped where it cannot run).
+    ``fused`` (the fused CUDA step, compiled once and replayed: ``Engine.compile_fused``; listed as skipped
+    where it cannot run), ``fused-built`` (the same step built token by token).
 
     The peer runs our weight format: dequantized to ``dtype`` when ours were (``load_peer``); a ratio
     between rows of different formats is never computed (``vs_peer`` None, with a note).
@@ -69,8 +70,8 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
         raise BenchError("trials, max_tokens and every prompt length must be >= 1")
     kinds = [parse_cache_kind(c) for c in caches]
     for v in variants:
-        if v not in ("eager", "compiled", "fused"):
-            raise BenchError(f"unknown variant {v!r} (eager, compiled, fused)")
+        if v not in ("eager", "compiled", "fused", "fused-built"):
+            raise BenchError(f"unknown variant {v!r} (eager, compiled, fused, fused-built)")
     dtype = compute_dtype("auto")
     notes: list[str] = []
 
@@ -96,12 +97,13 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
         for variant in variants:
             try:  # fused "auto": a fused row that cannot run is skipped below, not warned about
                 engine = Engine(ours, eos_token_ids=[], context_length=context, prefill_step_size=prefill_step_size,
-                                compile=variant == "compiled", fused="auto" if variant == "fused" else False,
+                                compile=variant == "compiled", fused="auto" if variant.startswith("fused") else False,
                                 cache_spec=_cache_spec(kind))
+                engine.compile_fused = variant != "fused-built"
             except (ValueError, NotImplementedError, RowError) as e:
                 skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"], "reason": str(e)})
                 continue
-            if variant == "fused" and engine.fused is None:
+            if variant.startswith("fused") and engine.fused is None:
                 skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"],
                                 "reason": f"no fused step: {fused_blocker(ours, engine.cache)}"})
                 continue
@@ -116,7 +118,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                     continue
                 row["compiled"] = row["trials"][-1]["compiled"]
                 row["fused"] = row["trials"][-1]["fused"]
-                if variant == "fused" and not row["fused"]:
+                if variant.startswith("fused") and not row["fused"]:
                     skipped.append({**row, "reason": "the fused step is not available for this model or machine"})
                     continue
                 row["closure_count"] = engine.closure_count

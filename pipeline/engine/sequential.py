@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -20,6 +21,14 @@ from .views import head, layer_capacity, layer_kind, put_head
 
 log = logging.getLogger("pipeline")
 PAD_MIN = 16  # shortest padded prefill chunk (tokens), as the batched group prefill's PREFILL_MIN_BUCKET
+
+
+class _Buffers(NamedTuple):
+    """What ``FusedDecoder.step`` reads of a cache, for a traced step: its buffers and ring size."""
+
+    keys: mx.array
+    values: mx.array
+    max_size: int | None
 
 
 class Engine:
@@ -92,6 +101,8 @@ class Engine:
         self.compile = self.path.compiled
         self.compile_setting = compile  # as asked (True, False, "auto"): the batched CUDA step has its own rule
         self.fused = self.path.decoder
+        self.compile_fused = True  # False: the fused step built token by token (bench variant "fused-built")
+        self._fused_closures: dict = {}
         self.closures = ClosureSet(model)
         self._logged: set[str] = set()
         self._quiet = False
@@ -340,12 +351,19 @@ class Engine:
 
     def _fused_stepper(self, req: Decoding, sample: bool = True):
         """``advance(y)`` through the fused CUDA step, which writes every cache in place (``sample`` as
-        ``_eager_stepper``)."""
+        ``_eager_stepper``): with ``compile_fused``, the step over every position of the caches' buffers
+        (``FusedDecoder.step`` with ``n_ctx`` None), ``mx.compile``d once per buffer layout and replayed;
+        else built token by token with the attention grid sized by the position."""
         self.fused.prepare(self.cache, req.n_prompt + req.max_tokens)
         at = {"pos": mx.array([req.n_prompt], dtype=mx.int32), "n": req.n_prompt}
+        replay = self._fused_closure() if self.compile_fused else None
+        buffers = [a for c in self.cache for a in (c.keys, c.values)]
 
         def advance(y):
-            logits = self.fused.step(y, at["pos"], at["n"], self.cache)
+            if replay is not None:
+                logits = replay(y, at["pos"], *buffers)
+            else:
+                logits = self.fused.step(y, at["pos"], at["n"], self.cache)
             at["pos"], at["n"] = at["pos"] + 1, at["n"] + 1
             if not sample:
                 return logits, ()
@@ -353,6 +371,23 @@ class Engine:
             return y_next, ex
 
         return advance
+
+    def _fused_closure(self):
+        """The fused step ``mx.compile``d for the caches' current buffers (their shapes and the decoder's
+        scratch key it: a cache that grows or a larger scratch gets a new one): ``(token, pos, *buffers)``
+        -> logits, ``buffers`` each cache's keys then values, written in place."""
+        dec = self.fused
+        key = (tuple((c.keys.shape, c.keys.dtype, c.max_size) for c in self.cache), id(dec._scratch))
+        fn = self._fused_closures.get(key)
+        if fn is None:
+            sizes = [c.max_size for c in self.cache]
+
+            def step(token, pos, *buffers):
+                views = [_Buffers(buffers[2 * i], buffers[2 * i + 1], m) for i, m in enumerate(sizes)]
+                return dec.step(token, pos, None, views)
+
+            fn = self._fused_closures[key] = mx.compile(step)
+        return fn
 
     def generate(self, prompt_ids: list[int], params: GenerateParams) -> Generation:
         """Generate a completion for ``prompt_ids``.

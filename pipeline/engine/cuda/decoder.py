@@ -107,7 +107,9 @@ class FusedDecoder:
 
     ``step(token, pos, n_ctx, caches)``: ``token`` ``(1,)`` integer array, ``pos`` ``(1,)`` int32 array
     (the token's position = positions already in the caches), ``n_ctx`` the same position as a host int
-    (sizes the attention grid) -> logits ``(1, vocab)`` in the compute dtype. Writes the token's keys
+    (sizes the attention grid) or None (the grid covers the caches' capacity, so nothing in the step
+    changes from token to token and ``mx.compile`` can replay it: ``Engine`` does) -> logits ``(1, vocab)``
+    in the compute dtype. Writes the token's keys
     and values in place into each cache's buffers: slot ``pos`` of a ``KVCache``, slot
     ``pos % max_size`` of a ``RotatingKVCache`` (``pipeline.engine.cache``: the ring's layout). The buffers
     must be materialized, row-contiguous and long enough (``prepare``).
@@ -390,10 +392,15 @@ class FusedDecoder:
                                     grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(self.hidden,)],
                                     output_dtypes=[self.dtype])[0]
 
-    def _attend(self, q: mx.array, pos: mx.array, n_ctx: int, cache) -> mx.array:
-        """Attention output ``(n_heads * head_dim,)`` of the query ``q`` at position ``n_ctx`` over ``cache``."""
+    def _attend(self, q: mx.array, pos: mx.array, n_ctx: int | None, cache) -> mx.array:
+        """Attention output ``(n_heads * head_dim,)`` of the query ``q`` at position ``pos`` over ``cache``: a
+        grid of the key chunks up to ``n_ctx`` (a host int = ``pos``), or with ``n_ctx`` None of every chunk
+        the cache's buffers hold (the chunks past ``pos`` return at once: the same values)."""
         win = cache.max_size or 0
-        n_keys = min(n_ctx + 1, win) if win else n_ctx + 1
+        if n_ctx is None:
+            n_keys = min(cache.keys.shape[2], win) if win else cache.keys.shape[2]
+        else:
+            n_keys = min(n_ctx + 1, win) if win else n_ctx + 1
         splits = -(-n_keys // ATTN_CHUNK)
         return self._attn_kernel(win)(
             inputs=[q, cache.keys, cache.values, pos, self._scratch, self._counts], template=[("T", self.dtype)],

@@ -1,6 +1,8 @@
 // pl_attn: attention of each head's query q over the cache's filled slots 0..pos (a ring of $window
 // slots: its min(pos + 1, $window) slots, exactly the query's window), in blocks of $chunk keys (one
-// thread per key; grid (chunks * $chunk, heads)). With several chunks each block writes its partial
+// thread per key; grid (chunks * $chunk, heads), chunks >= the ceil(L / $chunk) that hold keys: the blocks
+// past them return at once, so one grid, sized by the caches' capacity, serves every position and the step
+// can be replayed by mx.compile). With several chunks each block writes its partial
 // softmax (max, sum, weighted values) to scratch and the last block of a head to finish combines them,
 // as in flash-decoding (counts: per-head arrival counters, reset by that block). Filled in by
 // FusedDecoder._attn_kernel (pipeline/engine/cuda/decoder.py).
@@ -11,8 +13,10 @@
   __shared__ float pr[CH];
   __shared__ float red[32];
   __shared__ int last;
-  const int h = blockIdx.y, s = blockIdx.x, NS = gridDim.x, t = threadIdx.x;
+  const int h = blockIdx.y, s = blockIdx.x, t = threadIdx.x;
   const int L = WIN ? min(pos[0] + 1, WIN) : pos[0] + 1;
+  const int NS = (L + CH - 1) / CH;
+  if (s >= NS) return;
   const size_t cap = kc_shape[2];
   const int kvh = h / G;
   for (int d = t; d < D; d += NT) qs[d] = static_cast<float>(q[h * D + d]) * $scale;
