@@ -139,10 +139,8 @@ class LoadedModel:
         seconds on an H200) and traces the decode step, which should not land in the first row's
         statistics. With ``batch`` (the job's ``BatchEngine``) one prompt per prefill shape the job can
         meet (``BatchEngine.warm_up_lengths``: every group-prefill bucket) runs through it, so those
-        shapes compile, its batched step is traced and its buffers allocated; else through
-        ``engine.generate`` (the fused, compiled or eager step of ``engine.path``), after one prefill of
-        each length ``engine.prefill_lengths()`` pads prompts to (a GPU: 16 to ``prefill_step_size``
-        tokens, so no row compiles a prefill). The caches (and a batch's slot) are overwritten by the next
+        shapes compile, its batched step is traced and its buffers allocated; else through ``engine.generate`` (the fused, compiled
+        or eager step of ``engine.path``). The caches (and a batch's slot) are overwritten by the next
         generation, so nothing of it reaches later rows; it logs no warnings and leaves the
         once-per-engine ones (a prompt longer than ``cache.max_kv_size``, eager decoding) to the first
         row that meets them (``Engine.quiet``). ``structured`` (a job with structured output): one more
@@ -155,9 +153,6 @@ class LoadedModel:
         constrained = GenerateParams(max_tokens=3, structured=StructuredOutputsParams(json_object=True))
         with self.engine.quiet():
             if batch is None:
-                for n in self.engine.prefill_lengths():  # every padded prefill shape (``Engine.pad_prefill``),
-                    if n < self.engine.context_length:  # first: the caches grow to their size before any trace
-                        mx.eval(self.engine.forward(prompt(n)))
                 self.engine.generate(prompt(8), params)
                 if structured:
                     self.engine.generate(prompt(8), constrained)

@@ -56,24 +56,13 @@ def test_lengths_and_where_it_stays_off(tiny):
     lm = load_model(path=tiny, prefill_step_size=100)
     eng = lm.engine
     eng.pad_prefill = True
-    assert eng.prefill_lengths() == [16, 32, 64, 100]
     assert eng._padded(0, 70) == 70  # 128 would exceed the chunk size
     assert eng._padded(0, 5) == 16 and eng._padded(0, 33) == 64
     ring = load_model(path=tiny, cache_spec=CacheSpec(max_kv_size=20)).engine
     ring.pad_prefill = True
     assert ring._padded(0, 3) == 16 and ring._padded(10, 3) == 3  # 10 + 16 would wrap the 20-slot ring
     eng.pad_prefill = False
-    assert eng.prefill_lengths() == [] and eng._padded(0, 5) == 5
-
-
-def test_the_warm_up_runs_every_padded_length(tiny, monkeypatch):
-    lm = load_model(path=tiny, prefill_step_size=64)
-    lm.engine.pad_prefill = True
-    seen = []
-    forward = lm.engine.forward
-    monkeypatch.setattr(lm.engine, "forward", lambda ids: seen.append(len(ids)) or forward(ids))
-    lm.warm_up()
-    assert seen == [16, 32, 64]
+    assert eng._padded(0, 5) == 5
 
 
 def test_padded_prefill_keeps_llamacpp_logprobs(default_model_path, llamacpp_cases):

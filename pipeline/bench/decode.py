@@ -40,8 +40,8 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
 
     Models: any model spec (``load_model``'s rules: dtype "auto", the "auto" dequantize rule), or
     random weights of a named real shape (``RANDOM_SHAPES``). ``variants``: ``eager``, ``compiled``,
-    ``fused`` (the fused CUDA step, compiled once and replayed: ``Engine.compile_fused``; listed as skipped
-    where it cannot run), ``fused-built`` (the same step built token by token).
+    ``fused`` (the fused CUDA step, built token by token; listed as skipped where it cannot run),
+    ``fused-replay`` (the same step compiled once and replayed: ``Engine.compile_fused``).
 
     The peer runs our weight format: dequantized to ``dtype`` when ours were (``load_peer``); a ratio
     between rows of different formats is never computed (``vs_peer`` None, with a note).
@@ -70,8 +70,8 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
         raise BenchError("trials, max_tokens and every prompt length must be >= 1")
     kinds = [parse_cache_kind(c) for c in caches]
     for v in variants:
-        if v not in ("eager", "compiled", "fused", "fused-built"):
-            raise BenchError(f"unknown variant {v!r} (eager, compiled, fused, fused-built)")
+        if v not in ("eager", "compiled", "fused", "fused-replay"):
+            raise BenchError(f"unknown variant {v!r} (eager, compiled, fused, fused-replay)")
     dtype = compute_dtype("auto")
     notes: list[str] = []
 
@@ -99,7 +99,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                 engine = Engine(ours, eos_token_ids=[], context_length=context, prefill_step_size=prefill_step_size,
                                 compile=variant == "compiled", fused="auto" if variant.startswith("fused") else False,
                                 cache_spec=_cache_spec(kind))
-                engine.compile_fused = variant != "fused-built"
+                engine.compile_fused = variant == "fused-replay"
             except (ValueError, NotImplementedError, RowError) as e:
                 skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"], "reason": str(e)})
                 continue

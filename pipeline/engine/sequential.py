@@ -62,12 +62,11 @@ class Engine:
             per 32 tokens and a wait for the device per block.
         pad_prefill: run a prompt's last prefill chunk padded (after the prompt) to a power-of-two length of
             at least ``PAD_MIN`` tokens (at most ``prefill_step_size``), the padding then trimmed from the
-            caches, so that prefill meets a handful of shapes, each compiled once (``prefill_lengths``; the
-            warm-up runs them), instead of one per prompt length: on an H200 a job's first 100 rows ran at
-            34% of their rate on a warm kernel cache, new prompt lengths compiling as they came
-            (docs/BENCHMARKS.md). Only where every cache can trim (no quantized storage, no ring the padding
-            would wrap). None (default): on a GPU; the CPU compiles nothing per shape and keeps its exact
-            arithmetic.
+            caches, so that prefill meets at most a handful of shapes (each compiled at its first use)
+            instead of one per prompt length: on a fresh H200 a job's first 100 rows ran at 34% of their
+            rate on a warm kernel cache, new prompt lengths compiling as they came (docs/BENCHMARKS.md).
+            Only where every cache can trim (no quantized storage, no ring the padding would wrap). None
+            (default): on a GPU; the CPU keeps its exact arithmetic.
 
     Attributes:
         path: the ``step.DecodePath`` chosen.
@@ -101,7 +100,9 @@ class Engine:
         self.compile = self.path.compiled
         self.compile_setting = compile  # as asked (True, False, "auto"): the batched CUDA step has its own rule
         self.fused = self.path.decoder
-        self.compile_fused = True  # False: the fused step built token by token (bench variant "fused-built")
+        # True: the fused step replayed by mx.compile (bench variant "fused-replay"); its speed is not measured
+        # yet, so the step built token by token stays the default
+        self.compile_fused = False
         self._fused_closures: dict = {}
         self.closures = ClosureSet(model)
         self._logged: set[str] = set()
@@ -173,17 +174,6 @@ class Engine:
                                                                          > c.max_size) for c in self.cache):
             return length
         return size
-
-    def prefill_lengths(self) -> list[int]:
-        """The chunk lengths ``prefill`` pads to (``pad_prefill``; [] when off): powers of two from ``PAD_MIN``
-        up to ``prefill_step_size``, and that size itself (a longer prompt's full chunks)."""
-        if not self.pad_prefill:
-            return []
-        sizes, size = [], PAD_MIN
-        while size < self.prefill_step_size:
-            sizes.append(size)
-            size *= 2
-        return sizes + [self.prefill_step_size]
 
     def prefill_prompt(self, ids: list[int]) -> tuple[mx.array, int]:
         """Fill the caches with prompt ``ids`` (non-empty) and return ``(logits (1, vocab), cached)``: the

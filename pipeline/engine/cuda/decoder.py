@@ -108,7 +108,7 @@ class FusedDecoder:
     ``step(token, pos, n_ctx, caches)``: ``token`` ``(1,)`` integer array, ``pos`` ``(1,)`` int32 array
     (the token's position = positions already in the caches), ``n_ctx`` the same position as a host int
     (sizes the attention grid) or None (the grid covers the caches' capacity, so nothing in the step
-    changes from token to token and ``mx.compile`` can replay it: ``Engine`` does) -> logits ``(1, vocab)``
+    changes from token to token and ``mx.compile`` can replay it: ``Engine.compile_fused``) -> logits ``(1, vocab)``
     in the compute dtype. Writes the token's keys
     and values in place into each cache's buffers: slot ``pos`` of a ``KVCache``, slot
     ``pos % max_size`` of a ``RotatingKVCache`` (``pipeline.engine.cache``: the ring's layout). The buffers
