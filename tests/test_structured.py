@@ -235,7 +235,13 @@ def test_a_batch_with_constraints_lowers_the_switch_interval_and_restores_it(tin
     seen = []
     for _ in BatchEngine(eng, 2, 256).run(reqs):
         seen.append(sys.getswitchinterval())
-    assert before > SlotMasks.SWITCH_INTERVAL and seen and all(v == pytest.approx(SlotMasks.SWITCH_INTERVAL) for v in seen)
+    lowered = pytest.approx(SlotMasks.SWITCH_INTERVAL)
+    assert before > SlotMasks.SWITCH_INTERVAL and seen and all(v == lowered for v in seen)
+    assert sys.getswitchinterval() == before
+    run = BatchEngine(eng, 2, 256).run(reqs)
+    next(run)
+    assert sys.getswitchinterval() == lowered
+    run.close()  # a caller that stops early
     assert sys.getswitchinterval() == before
 
 

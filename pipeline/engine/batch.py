@@ -628,60 +628,62 @@ class BatchEngine:
         active = activity()
         current = entering(firsts, None) if firsts else None
         firsts = {b: extras for b, (_, extras) in firsts.items()}
-        while current is not None:
-            # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
-            # With a constrained slot, only step t + 1's forward is queued: its sampling needs the masks made
-            # from step t's tokens, which llguidance computes on a worker thread (``SlotMasks.start``) while
-            # that forward runs and the host records every slot's token; the masked sampling is queued as soon
-            # as the masks are in, then the host takes the grammar verdicts (``Decoding.settle``) and admits
-            # new requests while the device samples.
-            ahead, deferred = None, False
-            if any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots):
-                ahead = forward(current[0], current[1], active)
-                deferred = any(s is not None and s.constraint is not None for s in slots)
+        try:
+            while current is not None:
+                # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
+                # With a constrained slot, only step t + 1's forward is queued: its sampling needs the masks made
+                # from step t's tokens, which llguidance computes on a worker thread (``SlotMasks.start``) while
+                # that forward runs and the host records every slot's token; the masked sampling is queued as soon
+                # as the masks are in, then the host takes the grammar verdicts (``Decoding.settle``) and admits
+                # new requests while the device samples.
+                ahead, deferred = None, False
+                if any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots):
+                    ahead = forward(current[0], current[1], active)
+                    deferred = any(s is not None and s.constraint is not None for s in slots)
+                    if deferred:
+                        mx.async_eval(ahead, *self.buffers)
+                        at = list(slots)  # the slots as step t + 1 sees them
+                    else:
+                        ahead = sample(ahead)
+                toks = current[0].tolist()
                 if deferred:
-                    mx.async_eval(ahead, *self.buffers)
-                    at = list(slots)  # the slots as step t + 1 sees them
-                else:
-                    ahead = sample(ahead)
-            toks = current[0].tolist()
-            if deferred:
-                masks.start(at, toks)
-            out, later = [], []
+                    masks.start(at, toks)
+                out, later = [], []
 
-            def end(b: int, step) -> None:
-                """Slot ``b``'s verdict on its token (``step()``: its ``push`` or ``settle``): a finished request
-                leaves its slot."""
-                s = slots[b]
-                try:
-                    done = step()
-                except RowError as e:  # its grammar rejected the token
-                    done = e
-                if done:
-                    out.append((s.tag, done if isinstance(done, RowError) else self._finish(s, done)))
-                    slots[b] = None
+                def end(b: int, step) -> None:
+                    """Slot ``b``'s verdict on its token (``step()``: its ``push`` or ``settle``): a finished request
+                    leaves its slot."""
+                    s = slots[b]
+                    try:
+                        done = step()
+                    except RowError as e:  # its grammar rejected the token
+                        done = e
+                    if done:
+                        out.append((s.tag, done if isinstance(done, RowError) else self._finish(s, done)))
+                        slots[b] = None
 
-            for b, s in enumerate(slots):
-                if s is None:
-                    continue
-                extras = firsts[b] if b in firsts else current[2].get(b, ())
-                if deferred and s.constraint is not None:
-                    later.append((b, s.record(toks[b], extras)))
-                    continue
-                end(b, functools.partial(s.push, toks[b], extras))
-            if deferred:  # step t + 1's sampling, for the slots still held by the requests it computed
-                at = [d if d is not None and slots[b] is d else None for b, d in enumerate(at)]
-                ahead = sample(ahead, at, masks.wait(ahead[0].shape[-1]))
-                for b, recorded in later:
-                    end(b, functools.partial(slots[b].settle, toks[b], recorded))
-            changed = bool(out)  # a request ended: its slot is free
-            seated = {}
-            if None in slots and (pending or not exhausted):
-                # a new request's prefill overwrites its slot, step t + 1's write included
-                seated = admit(out, decoding=any(s is not None for s in slots))
-            if changed or seated:
-                active = activity()
-            current = entering(seated, ahead) if seated else ahead
-            firsts = {b: extras for b, (_, extras) in seated.items()}
-            yield from out
-        masks.close()
+                for b, s in enumerate(slots):
+                    if s is None:
+                        continue
+                    extras = firsts[b] if b in firsts else current[2].get(b, ())
+                    if deferred and s.constraint is not None:
+                        later.append((b, s.record(toks[b], extras)))
+                        continue
+                    end(b, functools.partial(s.push, toks[b], extras))
+                if deferred:  # step t + 1's sampling, for the slots still held by the requests it computed
+                    at = [d if d is not None and slots[b] is d else None for b, d in enumerate(at)]
+                    ahead = sample(ahead, at, masks.wait(ahead[0].shape[-1]))
+                    for b, recorded in later:
+                        end(b, functools.partial(slots[b].settle, toks[b], recorded))
+                changed = bool(out)  # a request ended: its slot is free
+                seated = {}
+                if None in slots and (pending or not exhausted):
+                    # a new request's prefill overwrites its slot, step t + 1's write included
+                    seated = admit(out, decoding=any(s is not None for s in slots))
+                if changed or seated:
+                    active = activity()
+                current = entering(seated, ahead) if seated else ahead
+                firsts = {b: extras for b, (_, extras) in seated.items()}
+                yield from out
+        finally:  # also when the caller stops early or a step raises: the worker ends, the interval is restored
+            masks.close()

@@ -266,7 +266,7 @@ class SlotMasks:
 
     def _work(self, constraints: list, feed: list) -> list | None:
         """Advance the matchers of ``feed`` (``(Constraint, token)``), fill the masks of ``constraints``
-        (``(Constraint, slot)``), then keep the advanced matchers' verdicts; returns ``_fill``'s rows."""
+        (``(Constraint, slot)``), then keep the advanced matchers' verdicts; returns ``_rows``'s rows."""
         if not constraints:
             return None
         executor, words = self._executor(), self._bitmask(constraints)
