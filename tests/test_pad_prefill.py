@@ -5,7 +5,6 @@ keeps llama.cpp's next-token logprobs on the default model, and it stays off whe
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -17,7 +16,7 @@ from tiny_model import write_tiny_model
 
 from pipeline import load_model
 from pipeline.engine import GenerateParams
-from pipeline.engine.sequential import PAD_MIN
+from pipeline.engine.views import PREFILL_MIN_BUCKET
 from pipeline.jobspec import CacheSpec
 
 
@@ -39,7 +38,7 @@ def test_the_caches_and_logits_are_the_prompts_own(tiny, n):
     want, keys = np.array(eng.forward(ids)), _keys(eng, n)
     eng.pad_prefill = True
     size = eng._padded(0, n) if n <= 64 else eng._padded(64, n - 64)
-    assert size == max(PAD_MIN, 1 << ((min(n, 64) if n <= 64 else n - 64) - 1).bit_length())
+    assert size == max(PREFILL_MIN_BUCKET, 1 << ((min(n, 64) if n <= 64 else n - 64) - 1).bit_length())
     got = np.array(eng.forward(ids))
     assert all(c.offset == n for c in eng.cache)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

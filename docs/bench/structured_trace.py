@@ -35,7 +35,6 @@ import yaml
 
 from pipeline.bench.throughput import file_prompts
 from pipeline.engine import BatchEngine, GenerateParams, Request
-from pipeline.engine import batch as batch_mod
 from pipeline.engine import structured as st
 from pipeline.engine.batch_sampler import SlotSampler
 from pipeline.engine.cuda import mask as mask_kernel
@@ -73,8 +72,6 @@ def instrument():
         return orig_start(self, slots, tokens)
 
     cls.start = start
-    orig_wait = cls.wait
-
     def wait(self, vocab):
         t0 = time.perf_counter()
         job, self._job = self._job, None

@@ -59,9 +59,9 @@ from .prefix import block_hashes
 from .request import Decoding, Request
 from .sequential import Engine
 from .structured import SlotMasks
-from .views import BatchView, stored_slots, layer_capacity, layer_kind, position_bytes
+from .views import (PREFILL_MIN_BUCKET, BatchView, layer_capacity, layer_kind, position_bytes, prefill_pad,
+                    stored_slots)
 
-PREFILL_MIN_BUCKET = 16  # shortest padded length of a group prefill (tokens)
 # Padded tokens per group prefill forward (mlx-lm's default prefill_step_size). On the H200 a forward of
 # 4 x 128 tokens (SmolLM2-135M) took 10 ms, of which the GPU was busy 1.9 ms: its cost is the host's
 # launches, so more rows per forward admit more requests for the same cost (docs/BENCHMARKS.md).
@@ -324,10 +324,7 @@ class BatchEngine:
         step = self.engine.prefill_step_size
         if not self.prefill_batch or n > step or any(k.quantized for k in self.kinds):
             return None
-        size = PREFILL_MIN_BUCKET
-        while size < n:
-            size *= 2
-        size = min(size, step)
+        size = min(prefill_pad(n), step)
         return None if any(c.max_size is not None and size > c.max_size for c in self.engine.cache) else size
 
     def _bucket(self, d: Decoding) -> Group | None:

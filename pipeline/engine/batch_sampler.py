@@ -34,7 +34,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .sampler import NEG_INF, SamplerConsts, SamplerKind, SamplerState, adjusted_logits, sample_tokens
+from .sampler import SamplerConsts, SamplerKind, SamplerState, adjusted_logits, sample_tokens
 
 _split_rows = mx.vmap(mx.random.split)  # (B, 2) keys -> (B, 2, 2): each row's (next key, subkey)
 _uniform_rows = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))  # (B, 2) keys -> (B, 1)

@@ -17,10 +17,9 @@ from .prefix import PrefixStore, block_hashes
 from .request import Decoding
 from .sampler import sample_step
 from .step import choose_path, request_blocker
-from .views import head, layer_capacity, layer_kind, put_head
+from .views import head, layer_capacity, layer_kind, prefill_pad, put_head
 
 log = logging.getLogger("pipeline")
-PAD_MIN = 16  # shortest padded prefill chunk (tokens), as the batched group prefill's PREFILL_MIN_BUCKET
 
 
 class _Buffers(NamedTuple):
@@ -61,12 +60,13 @@ class Engine:
             (default): True on the CPU, False on a GPU, where one-block chunks cost a launch per kernel
             per 32 tokens and a wait for the device per block.
         pad_prefill: run a prompt's last prefill chunk padded (after the prompt) to a power-of-two length of
-            at least ``PAD_MIN`` tokens (at most ``prefill_step_size``), the padding then trimmed from the
-            caches, so that prefill meets at most a handful of shapes (each compiled at its first use)
-            instead of one per prompt length: on a fresh H200 a job's first 100 rows ran at 34% of their
-            rate on a warm kernel cache, new prompt lengths compiling as they came (docs/BENCHMARKS.md).
-            Only where every cache can trim (no quantized storage, no ring the padding would wrap). None
-            (default): on a GPU; the CPU keeps its exact arithmetic.
+            at least ``views.PREFILL_MIN_BUCKET`` tokens (``views.prefill_pad``; at most
+            ``prefill_step_size``), the padding then trimmed from the caches, so that prefill meets at most a
+            handful of shapes (each compiled at its first use) instead of one per prompt length: on a fresh
+            H200 a job's first 100 rows ran at 34% of their rate on a warm kernel cache, new prompt lengths
+            compiling as they came (docs/BENCHMARKS.md). Only where every cache can trim (no quantized
+            storage, no ring the padding would wrap). None (default): on a GPU; the CPU keeps its exact
+            arithmetic.
 
     Attributes:
         path: the ``step.DecodePath`` chosen.
@@ -166,10 +166,10 @@ class Engine:
 
     def _padded(self, start: int, length: int) -> int:
         """The length the last prefill chunk (``length`` tokens after ``start``) runs at: ``length``, or with
-        ``pad_prefill`` the next power of two >= ``PAD_MIN`` if it fits the chunk size and every cache."""
+        ``pad_prefill`` ``views.prefill_pad(length)`` if it fits the chunk size and every cache."""
         if not self.pad_prefill:
             return length
-        size = max(PAD_MIN, 1 << (length - 1).bit_length())
+        size = prefill_pad(length)
         if size > self.prefill_step_size or any(c.bits is not None or (c.max_size is not None and start + size
                                                                          > c.max_size) for c in self.cache):
             return length

@@ -3,7 +3,8 @@
 A view holds a layer's buffers for one traced step and writes the new token's key and value at its
 position, with everything that changes per step as arrays (``LayerKind`` is what shapes the graph).
 ``DecodeView`` serves the batch-1 compiled step (``pipeline.engine.compiled``), ``BatchView`` the batched
-step (``pipeline.engine.batch``); ``position_bytes`` sizes a layer's batch buffers.
+step (``pipeline.engine.batch``); ``position_bytes`` sizes a layer's batch buffers; ``capacity_bucket`` and
+``prefill_pad`` bound the shapes those steps and the prefills meet.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 CAPACITY_STEP = 256
+PREFILL_MIN_BUCKET = 16  # shortest padded prefill length (tokens): group prefills, padded batch-1 prefills
+
+
+def prefill_pad(n: int) -> int:
+    """The length a prefill of ``n`` (>= 1) tokens is padded to, before any cap: the next power of two, at least
+    ``PREFILL_MIN_BUCKET`` (``BatchEngine.prefill_bucket``, ``Engine.pad_prefill``)."""
+    return max(PREFILL_MIN_BUCKET, 1 << (n - 1).bit_length())
 
 
 def capacity_bucket(n: int) -> int:
