@@ -1,11 +1,13 @@
 """Where a structured-output decode step's time goes: the batched job's host timeline, with and without a JSON
 schema (jobs/bench_structured.yaml's), on the real default model, in one process.
 
-The run loop (``BatchEngine.run``) is timed from outside: the step's forward and sampling as queued, the
-host's wait for the step's tokens (the time from the forward queued to the masks started), the structured
-path's wait for the masks (``SlotMasks.wait``) and their upload, and the worker thread's llguidance calls
-(``consume_token_par``, the batched mask). Variants (``--variants``), each with and without the schema:
-``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval kept);
+The run loop (``BatchEngine.run``) is timed from outside: the step's forward and sampling as built
+("forward", "queue: sampling"), the host's kernel launches (``mx.async_eval`` in the batch module: "launch",
+every call), the time from a step's sampling queued to its tokens read and their masks started ("sampled ->
+start"), the structured path's wait for the masks (``SlotMasks.wait``) and their upload, and the worker thread's
+llguidance calls (``consume_token_par``, the batched mask). Variants (``--variants``), each with and without the
+schema: ``default``; ``launch-first`` (``BatchEngine.masks_first`` False: the next forward launched before the
+step's tokens are read and their masks started, the order before 2026-12-03); ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval kept);
 ``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``' ``mx.load``);
 ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N`` (llguidance's
 ``LLExecutor`` with N threads, not its default).
@@ -13,7 +15,7 @@ path's wait for the masks (``SlotMasks.wait``) and their upload, and the worker 
 Usage (from the repository root)::
 
     PYTHONPATH=. python docs/bench/structured_trace.py --rows 512 --batch-size 256 --max-tokens 128 \
-        --variants default,switch-off,mx-array,no-kernel
+        --variants default,launch-first,switch-off,mx-array,no-kernel
 
 Prints one JSON line per (variant, schema or not): tok/s, steps, and the median milliseconds per step of each
 interval.
@@ -35,6 +37,7 @@ import yaml
 
 from pipeline.bench.throughput import file_prompts
 from pipeline.engine import BatchEngine, GenerateParams, Request
+from pipeline.engine import batch as batch_module
 from pipeline.engine import structured as st
 from pipeline.engine.batch_sampler import SlotSampler
 from pipeline.engine.cuda import mask as mask_kernel
@@ -58,6 +61,15 @@ def timed(name, fn):
     return wrapper
 
 
+class _TimedMx:
+    """``mlx.core`` for the batch module, with ``async_eval`` timed ("launch": the host's kernel launches)."""
+
+    async_eval = staticmethod(timed("launch", mx.async_eval))
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+
 THREADS: list = [None]  # llguidance LLExecutor threads of the next run (None: its default)
 
 
@@ -67,11 +79,12 @@ def instrument():
 
     def start(self, slots, tokens):
         now = time.perf_counter()
-        if "forward" in MARK:
-            SPANS["read tokens"].append(now - MARK["forward"])
+        if "queue: sampling" in MARK:  # the previous step's sampling queued -> its tokens read (masks_first)
+            SPANS["sampled -> start"].append(now - MARK["queue: sampling"])
         return orig_start(self, slots, tokens)
 
     cls.start = start
+    batch_module.mx = _TimedMx()
     def wait(self, vocab):
         t0 = time.perf_counter()
         job, self._job = self._job, None
@@ -100,12 +113,16 @@ def instrument():
     BatchEngine._step_fn = step_fn
 
 
+MASKS_FIRST: list = [True]  # BatchEngine.masks_first of the next run
+
+
 def run(lm, prompts, params, b):
     SPANS.clear()
     MARK.clear()
     t0 = time.perf_counter()
-    gens = [g for _, g in BatchEngine(lm.engine, b, max(len(p) for p in prompts) + params.max_tokens)
-            .run([Request(i, p, params) for i, p in enumerate(prompts)])]
+    engine = BatchEngine(lm.engine, b, max(len(p) for p in prompts) + params.max_tokens)
+    engine.masks_first = MASKS_FIRST[0]
+    gens = [g for _, g in engine.run([Request(i, p, params) for i, p in enumerate(prompts)])]
     s = time.perf_counter() - t0
     n = sum(len(g.token_ids) for g in gens)
     steps = len(SPANS["forward"])
@@ -139,6 +156,7 @@ def main():
         st.SlotMasks.SWITCH_INTERVAL = None if name == "switch-off" else interval
         mask_kernel.ENABLED = name != "no-kernel"
         THREADS[0] = int(name.split("-")[1]) if name.startswith("threads-") else None
+        MASKS_FIRST[0] = name != "launch-first"
         for kind, params in settings.items():
             row = {"variant": name, "kind": kind, **run(lm, prompts, params, args.batch_size)}
             print(json.dumps(row), flush=True)

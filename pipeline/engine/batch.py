@@ -164,6 +164,9 @@ class BatchEngine:
         self._closures: dict[tuple, object] = {}
         self.trace_count = 0
         self.cuda_step = True  # False: the generic step even where the CUDA one can run (to compare them)
+        # With a constrained slot: read a step's tokens and start their masks before the next forward is
+        # launched (False: after, the order before 2026-12-03; kept to compare them, docs/bench/structured_trace.py)
+        self.masks_first = True
         self._generic_why = batched_blocker(engine.model, self.kinds)
         self.decoder = BatchedDecoder(engine.model, self.kinds) if self._generic_why is None else None
 
@@ -628,23 +631,30 @@ class BatchEngine:
         try:
             while current is not None:
                 # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
-                # With a constrained slot, only step t + 1's forward is queued: its sampling needs the masks made
-                # from step t's tokens, which llguidance computes on a worker thread (``SlotMasks.start``) while
-                # that forward runs and the host records every slot's token; the masked sampling is queued as soon
-                # as the masks are in, then the host takes the grammar verdicts (``Decoding.settle``) and admits
-                # new requests while the device samples.
-                ahead, deferred = None, False
+                # With a constrained slot, step t + 1's sampling needs the masks made from step t's tokens: those
+                # tokens are read first and handed to llguidance on a worker thread (``SlotMasks.start``), then
+                # only step t + 1's forward is queued, so the masks are computed while the host launches that
+                # forward (the launch of a step's kernels is most of its host time, with the GIL released) and
+                # records every slot's token; the masked sampling is queued as soon as the masks are in, then the
+                # host takes the grammar verdicts (``Decoding.settle``) and admits new requests while the device
+                # samples.
+                ahead, deferred, toks = None, False, None
                 if any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots):
-                    ahead = forward(current[0], current[1], active)
                     deferred = any(s is not None and s.constraint is not None for s in slots)
                     if deferred:
-                        mx.async_eval(ahead, *self.buffers)
                         at = list(slots)  # the slots as step t + 1 sees them
+                        if self.masks_first:
+                            toks = current[0].tolist()
+                            masks.start(at, toks)
+                    ahead = forward(current[0], current[1], active)
+                    if deferred:
+                        mx.async_eval(ahead, *self.buffers)
                     else:
                         ahead = sample(ahead)
-                toks = current[0].tolist()
-                if deferred:
-                    masks.start(at, toks)
+                if toks is None:
+                    toks = current[0].tolist()
+                    if deferred:
+                        masks.start(at, toks)
                 out, later = [], []
 
                 def end(b: int, step) -> None:
