@@ -41,12 +41,44 @@
   const float l = pl_block_sum<NT>(e, red);
   const int kend = min(CH, L - s * CH);
   float* part = const_cast<float*>(scratch) + ((size_t)h * NS + s) * (D + 2);
-  for (int d = t; d < D; d += NT) {
-    const T* vr = vc + ((size_t)kvh * cap + (size_t)s * CH) * D + d;
-    float acc = 0.f;
-    for (int i = 0; i < kend; i++) acc += pr[i] * static_cast<float>(vr[(size_t)i * D]);
-    if (NS == 1) o[h * D + d] = static_cast<T>(acc / l);
-    else part[2 + d] = acc;
+  const T* vbase = vc + ((size_t)kvh * cap + (size_t)s * CH) * D;
+  constexpr int VD = D / 32;  // values of a value row per lane
+  if constexpr (D % 32 == 0 && (VD & (VD - 1)) == 0 && VD <= 8) {
+    // The weighted values: warp w sums keys w*32 .. w*32+31 of the chunk, each lane VD consecutive values of
+    // every row (one coalesced row read per warp and key), then the warps' sums are added.
+    struct alignas(VD * sizeof(T)) Vec { T v[VD]; };
+    constexpr int NW = NT / 32;
+    __shared__ float vpart[NW][D];
+    const int w = t >> 5, lane = t & 31;
+    float acc[VD];
+#pragma unroll
+    for (int j = 0; j < VD; j++) acc[j] = 0.f;
+    const int i1 = min((w + 1) * 32, kend);
+#pragma unroll 8
+    for (int i = w * 32; i < i1; i++) {
+      const float p = pr[i];
+      const Vec vv = *reinterpret_cast<const Vec*>(vbase + (size_t)i * D + lane * VD);
+#pragma unroll
+      for (int j = 0; j < VD; j++) acc[j] += p * static_cast<float>(vv.v[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < VD; j++) vpart[w][lane * VD + j] = acc[j];
+    __syncthreads();
+    for (int d = t; d < D; d += NT) {
+      float a = 0.f;
+#pragma unroll
+      for (int k2 = 0; k2 < NW; k2++) a += vpart[k2][d];
+      if (NS == 1) o[h * D + d] = static_cast<T>(a / l);
+      else part[2 + d] = a;
+    }
+  } else {
+    for (int d = t; d < D; d += NT) {
+      const T* vr = vbase + d;
+      float acc = 0.f;
+      for (int i = 0; i < kend; i++) acc += pr[i] * static_cast<float>(vr[(size_t)i * D]);
+      if (NS == 1) o[h * D + d] = static_cast<T>(acc / l);
+      else part[2 + d] = acc;
+    }
   }
   if (NS == 1) return;
   if (t == 0) {
