@@ -141,24 +141,6 @@ def test_fused_step_matches_the_model(case):
 
 
 @gpu
-@pytest.mark.parametrize("case", [dict(), dict(bits=8, group_size=32), dict(dense=True), GEMMA],
-                         ids=["q4", "q8", "dense", "gemma3"])
-def test_a_capped_gemv_grid_gives_the_same_logits(case, monkeypatch):
-    """With ``FusedDecoder.gemv_blocks`` capping the grid at 2 blocks, each warp strides over several units
-    of rows; the step's logits are bitwise those of the uncapped grid (each row's dot product is the same)."""
-    model = make_model(**case)
-    outs = []
-    for cap in (None, 2):
-        monkeypatch.setattr(FusedDecoder, "gemv_blocks", cap)
-        dec = decoder_for(model)
-        caches, _ = prefilled(model, list(range(1, 40)))
-        dec.prepare(caches, 50)
-        outs.append(np.array(dec.step(mx.array([5], mx.uint32), mx.array([39], mx.int32), 39, caches)))
-    assert np.isfinite(outs[0]).all()
-    np.testing.assert_array_equal(outs[1], outs[0])
-
-
-@gpu
 @pytest.mark.parametrize("prompt_len", [1, 127, 128, 129, 300, 700])
 def test_attention_splits_and_chunk_edges(prompt_len):
     """Contexts of one to several 128-key chunks (the split path and its combine)."""

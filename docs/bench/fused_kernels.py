@@ -1,17 +1,19 @@
-"""The fused batch-1 step's kernels one by one, and the whole step, under the launch settings being tuned: the
-GEMV grid's cap (``FusedDecoder.gemv_blocks``) and the attention kernel's value loop (a warp per 32 keys, as
-committed, or one thread per value dimension over every key of the chunk, the loop before 2026-12-03).
+"""The fused batch-1 step's kernels one by one, and the whole step, with the attention kernel's value loop as
+committed (a warp per 32 keys) and as before 2026-12-03 (one thread per value dimension over every key of the
+chunk).
 
 Random 4-bit g64 weights of the named real shapes (``pipeline.bench.RANDOM_SHAPES``), a random prompt of
 ``--context`` tokens prefilled, float16. Per kernel (layer 0's, on the Llama/Qwen2 layer): the GPU time of one
-call (CUPTI through torch.profiler when torch is installed, else the wall time of ``--calls`` launches evaluated
-together) for each cap. Then the whole step (``Engine.generate``'s decode rate, 256 tokens, median of 3 after a warm-up) for
-each (cap, attention) pair, built token by token and, with ``--replay``, replayed (``Engine.compile_fused``).
+call, ``--calls`` launches queued back to back (CUPTI through torch.profiler when torch is installed, else the
+wall time of the launches evaluated together). Then the whole step (``Engine.generate``'s decode rate, 256
+tokens, median of 3 after a warm-up) for each attention variant in ``--steps``, built token by token and, with
+``--replay``, replayed (``Engine.compile_fused``). The first engine of a shape ran slower than later ones of the
+same settings (Llama-3.2-1B: 610 against 936 tok/s), so each shape's first engine is run once untimed.
 
 Usage (from the repository root, on a CUDA machine)::
 
     PYTHONPATH=. python docs/bench/fused_kernels.py --shapes qwen2.5-7b,llama-3.2-1b,smollm2-135m \
-        --context 560 --blocks 0,132,264,528,1056 --json /tmp/kernels.json
+        --context 560 --json /tmp/kernels.json
 
 Prints one JSON line per measurement.
 """
@@ -67,11 +69,11 @@ def gpu_us(fn, calls: int, prefix: str) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         outs = [fn() for _ in range(calls)]
         mx.eval(outs)
-    ts = [e.device_time for e in p.events() if e.device_type.name == "CUDA" and e.name.startswith(prefix)]
+    ts = [e.device_time for e in p.events() if e.device_type.name == "CUDA" and prefix in e.name]
     return sum(ts) / max(len(ts), 1)
 
 
-def kernels(dec: FusedDecoder, cache, ctx: int, blocks: list[int], calls: int, shape: str):
+def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str):
     lay = dec.layers[0]
     h = mx.random.normal((dec.hidden,)).astype(dec.dtype)
     pos = mx.array([ctx], mx.int32)
@@ -87,10 +89,7 @@ def kernels(dec: FusedDecoder, cache, ctx: int, blocks: list[int], calls: int, s
         "head": ("pl_gemv_norm", lambda: dec._gemv(dec.head, "norm", [h, dec.final_norm, *dec.head.arrays])),
     }
     for name, (prefix, fn) in cases.items():
-        for b in blocks if name != "qkv" else [0]:
-            FusedDecoder.gemv_blocks = b or None
-            yield {"shape": shape, "kernel": name, "gemv_blocks": b, "us": round(gpu_us(fn, calls, prefix), 2)}
-    FusedDecoder.gemv_blocks = None
+        yield {"shape": shape, "kernel": name, "us": round(gpu_us(fn, calls, prefix), 2)}
     built = dec._attn_kernel
     for variant in ("warp-per-32-keys", "thread-per-dim"):
         if variant == "thread-per-dim":
@@ -100,8 +99,7 @@ def kernels(dec: FusedDecoder, cache, ctx: int, blocks: list[int], calls: int, s
     dec._attn_kernel = built
 
 
-def step_rate(model, prompt: list[int], blocks: int, attn: str, replay: bool, trials: int) -> dict:
-    FusedDecoder.gemv_blocks = blocks or None
+def step_rate(model, prompt: list[int], attn: str, replay: bool, trials: int) -> dict:
     engine = Engine(model, eos_token_ids=[], context_length=len(prompt) + 300, fused=True)
     engine.compile_fused = replay
     if attn == "thread-per-dim":
@@ -113,25 +111,22 @@ def step_rate(model, prompt: list[int], blocks: int, attn: str, replay: bool, tr
     gens = [engine.generate(prompt, params) for _ in range(trials)]
     assert all(g.fused for g in gens), "the fused step did not run"
     rates = [g.decode_tps for g in gens]
-    FusedDecoder.gemv_blocks = None
-    return {"gemv_blocks": blocks, "attn": attn, "replay": replay, "warm_up_s": round(warm, 1),
-            "tok_s": round(statistics.median(rates), 1), "trials": [round(r, 1) for r in rates]}
+    return {"attn": attn, "replay": replay, "warm_up_s": round(warm, 1), "tok_s": round(statistics.median(rates), 1),
+            "trials": [round(r, 1) for r in rates]}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen2.5-7b,llama-3.2-1b,smollm2-135m")
     ap.add_argument("--context", type=int, default=560)
-    ap.add_argument("--blocks", default="0,132,264,528,1056", help="GEMV grid caps (0: none)")
     ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--steps", default="0:warp-per-32-keys,0:thread-per-dim",
-                    help="whole-step settings, CAP:ATTENTION (CAP 'best': the cap fastest over the shape's GEMVs)")
+    ap.add_argument("--steps", default="thread-per-dim,warp-per-32-keys,thread-per-dim,warp-per-32-keys",
+                    help="whole-step runs, in order: the attention variant of each")
     ap.add_argument("--replay", action="store_true", help="also the replayed step of each setting")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    blocks = [int(b) for b in args.blocks.split(",")]
     out = []
 
     def emit(row):
@@ -142,26 +137,17 @@ def main():
         bm = _load_ours(None, shape, mx.float16, False, 0)
         model = bm.model
         prompt = mx.random.randint(0, model.args.vocab_size, (args.context,)).tolist()
-        best = None
+        step_rate(model, prompt, "warp-per-32-keys", False, 1)  # untimed: a shape's first engine runs slower
         if not args.no_kernels and model.args.model_type in FusedDecoder.model_types:
             engine = Engine(model, eos_token_ids=[], context_length=args.context + 300, fused=True)
             engine.generate(prompt, GenerateParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-            dec, cache = engine.fused, engine.cache[0]
-            dec.prepare(engine.cache, args.context + 300)
-            totals: dict[int, float] = {}
-            for row in kernels(dec, cache, args.context, blocks, args.calls, shape):
+            engine.fused.prepare(engine.cache, args.context + 300)
+            for row in kernels(engine.fused, engine.cache[0], args.context, args.calls, shape):
                 emit(row)
-                if row["kernel"] in ("o", "gate_up", "down", "head"):
-                    totals[row["gemv_blocks"]] = totals.get(row["gemv_blocks"], 0.0) + row["us"]
-            best = min(totals, key=totals.get)
-            emit({"shape": shape, "gemv_sum_us": totals, "best_cap": best})
             del engine
-        for spec in args.steps.split(","):
-            cap, attn = spec.split(":")
-            cap = (best or 0) if cap == "best" else int(cap)
+        for attn in args.steps.split(","):
             for replay in (False, True) if args.replay else (False,):
-                emit({"shape": shape, "context": args.context, **step_rate(model, prompt, cap, attn, replay,
-                                                                            args.trials)})
+                emit({"shape": shape, "context": args.context, **step_rate(model, prompt, attn, replay, args.trials)})
         del model, bm
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -121,9 +121,6 @@ class FusedDecoder:
     # The HF model_type of the families whose layer this class runs (Qwen 3's and Gemma 3's, with per-head
     # q/k RMSNorms, are subclasses': ``Qwen3Decoder``, ``Gemma3Decoder``).
     model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2")
-    # The most blocks of a GEMV's grid (None: one warp per unit of rows, ``units_per_warp``); fewer blocks
-    # stage (and normalize) x fewer times, each warp then computing several units in turn.
-    gemv_blocks: ClassVar[int | None] = None
 
     def __init__(self, model):
         reason = self.blocker(model)
@@ -440,10 +437,6 @@ class FusedDecoder:
 
     def _gemv(self, proj: Proj, mode: str, inputs: list, proj2: Proj | None = None):
         """Launch a GEMV kernel (``GEMV_MODES``): its output ``(rows,)``, and for prologue "res" also
-        the new residual stream ``(hidden,)``. The grid: one warp per unit of rows, at most ``gemv_blocks``
-        blocks (the warps then stride over the units)."""
+        the new residual stream ``(hidden,)``."""
         kern, warps, n_out = self._gemv_kernel(proj, mode, proj2)
-        blocks = -(-warps // WARPS_PER_BLOCK)
-        if self.gemv_blocks:
-            blocks = min(blocks, self.gemv_blocks)
-        return self._launch(kern, inputs, blocks, n_out, self.GEMV_MODES[mode][0] == "res")
+        return self._launch(kern, inputs, -(-warps // WARPS_PER_BLOCK), n_out, self.GEMV_MODES[mode][0] == "res")

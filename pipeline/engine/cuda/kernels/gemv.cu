@@ -1,5 +1,4 @@
-// pl_gemv_<mode>: one projection y = W x as a warp-per-row GEMV ($units rows, or row pairs, per warp at a
-// time, the warps striding over the rows when the grid has fewer);
+// pl_gemv_<mode>: one projection y = W x as a warp-per-row GEMV ($units rows, or row pairs, per warp);
 // the prologue stages x in shared memory ($prologue: calls.cu's load_x or load_x_res), the epilogue
 // stores the rows. Filled in by FusedDecoder._gemv_kernel (pipeline/engine/cuda/decoder.py), whose
 // GEMV_MODES name the prologue and epilogue of each mode. MLX's rounding to T after each op.
@@ -36,19 +35,16 @@ float acc2[$n_rows];
   __shared__ float red[32];
   $prologue
   const int lane = threadIdx.x & 31;
-  // Grid-stride over the units: a grid smaller than one warp per unit stages x once per block for several
-  // units (FusedDecoder.gemv_blocks caps the grid).
-  for (int u0 = (blockIdx.x * (NT / 32) + (threadIdx.x >> 5)) * U; u0 < N; u0 += gridDim.x * (NT / 32) * U) {
-    int rows[$n_rows];
-    float acc[$n_rows];
+  const int u0 = (blockIdx.x * (NT / 32) + (threadIdx.x >> 5)) * U;
+  if (u0 >= N) return;
+  int rows[$n_rows];
+  float acc[$n_rows];
 #pragma unroll
-    for (int u = 0; u < U; u++) { $row_index }
-    $dots
-    if (lane == 0) {
+  for (int u = 0; u < U; u++) { $row_index }
+  $dots
+  if (lane != 0) return;
 #pragma unroll
-      for (int u = 0; u < U; u++) {
-        if (u0 + u >= N) break;
+  for (int u = 0; u < U; u++) {
+    if (u0 + u >= N) break;
 $store
-      }
-    }
   }
