@@ -65,8 +65,9 @@ class Engine:
             handful of shapes (each compiled at its first use) instead of one per prompt length: on a fresh
             H200 a job's first 100 rows ran at 34% of their rate on a warm kernel cache, new prompt lengths
             compiling as they came (docs/BENCHMARKS.md). Only where every cache can trim (no quantized
-            storage, no ring the padding would wrap). None (default): on a GPU; the CPU keeps its exact
-            arithmetic.
+            storage, no ring the padding would wrap). Off by default (None or False): on a fresh H200 the
+            jobs run with it started slower, not faster (11 rows in 78 s after the warm-up, against 100
+            rows in 98 s without it; docs/BENCHMARKS.md, 2026-12-03), for a reason not yet found.
 
     Attributes:
         path: the ``step.DecodePath`` chosen.
@@ -100,9 +101,10 @@ class Engine:
         self.compile = self.path.compiled
         self.compile_setting = compile  # as asked (True, False, "auto"): the batched CUDA step has its own rule
         self.fused = self.path.decoder
-        # True: the fused step replayed by mx.compile (bench variant "fused-replay"); its speed is not measured
-        # yet, so the step built token by token stays the default
-        self.compile_fused = False
+        # True (default): the fused step mx.compiled once per buffer layout and replayed (False: built token by
+        # token, bench variant "fused"); on an H200 the replay decoded Llama-3.2-1B at 995.7 tok/s against 620.2
+        # and SmolLM2-135M at 525.3 against 327.2 (docs/BENCHMARKS.md, 2026-12-03)
+        self.compile_fused = True
         self._fused_closures: dict = {}
         self.closures = ClosureSet(model)
         self._logged: set[str] = set()
@@ -120,7 +122,7 @@ class Engine:
         windows = [c.max_size for c in self.cache if c.max_size is not None]
         self._window = min(windows) if windows else None
         self.exact_prefix = mx.default_device() == mx.cpu if exact_prefix is None else bool(exact_prefix)
-        self.pad_prefill = mx.default_device() == mx.gpu if pad_prefill is None else bool(pad_prefill)
+        self.pad_prefill = bool(pad_prefill)
         self.prefill_tokens = 0
         self._last: tuple | None = None  # (prompt ids, last logits) while the caches hold exactly that prompt
 
