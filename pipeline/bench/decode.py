@@ -41,7 +41,7 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
     Models: any model spec (``load_model``'s rules: dtype "auto", the "auto" dequantize rule), or
     random weights of a named real shape (``RANDOM_SHAPES``). ``variants``: ``eager``, ``compiled``,
     ``fused`` (the fused CUDA step, built token by token; listed as skipped where it cannot run),
-    ``fused-replay`` (the same step compiled once and replayed: ``Engine.compile_fused``).
+    ``fused-replay`` (the same step compiled once and replayed: ``Engine.compile_fused``, what a job runs).
 
     The peer runs our weight format: dequantized to ``dtype`` when ours were (``load_peer``); a ratio
     between rows of different formats is never computed (``vs_peer`` None, with a note).

@@ -631,7 +631,7 @@ class BatchEngine:
         try:
             while current is not None:
                 # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
-                # With a constrained slot, step t + 1's sampling needs the masks made from step t's tokens: those
+                # With a constrained slot the order differs: step t + 1's sampling needs the masks made from step t's tokens: those
                 # tokens are read first and handed to llguidance on a worker thread (``SlotMasks.start``), then
                 # only step t + 1's forward is queued, so the masks are computed while the host launches that
                 # forward (the launch of a step's kernels is most of its host time, with the GIL released) and

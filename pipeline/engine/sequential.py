@@ -65,9 +65,9 @@ class Engine:
             handful of shapes (each compiled at its first use) instead of one per prompt length: on a fresh
             H200 a job's first 100 rows ran at 34% of their rate on a warm kernel cache, new prompt lengths
             compiling as they came (docs/BENCHMARKS.md). Only where every cache can trim (no quantized
-            storage, no ring the padding would wrap). Off by default (None or False): on a fresh H200 the
-            jobs run with it started slower, not faster (11 rows in 78 s after the warm-up, against 100
-            rows in 98 s without it; docs/BENCHMARKS.md, 2026-12-03), for a reason not yet found.
+            storage, no ring the padding would wrap). Off by default (None or False): a fresh H200 ran a
+            job slower with it, not faster (11 rows in 78 s after the warm-up, against 100 rows in 98 s
+            without it; docs/BENCHMARKS.md, 2026-12-03), for a reason not yet found.
 
     Attributes:
         path: the ``step.DecodePath`` chosen.

@@ -1,7 +1,8 @@
 // pl_attn: attention of each head's query q over the cache's filled slots 0..pos (a ring of $window
 // slots: its min(pos + 1, $window) slots, exactly the query's window), in blocks of $chunk keys (one
-// thread per key's score; the weighted values summed a warp per 32 keys, each lane a run of a row's values); grid (chunks * $chunk, heads), chunks >= the ceil(L / $chunk) that hold keys: the blocks
-// past them return at once, so one grid, sized by the caches' capacity, serves every position and the step
+// thread per key's score; the weighted values summed a warp per 32 keys, each lane a run of a row's
+// values; grid (chunks * $chunk, heads), chunks >= the ceil(L / $chunk) that hold keys: the blocks past them
+// return at once, so one grid, sized by the caches' capacity, serves every position and the step
 // can be replayed by mx.compile). With several chunks each block writes its partial
 // softmax (max, sum, weighted values) to scratch and the last block of a head to finish combines them,
 // as in flash-decoding (counts: per-head arrival counters, reset by that block). Filled in by
