@@ -60,7 +60,7 @@ def thread_per_dim_attention(dec: FusedDecoder):
 
 
 def gpu_us(fn, calls: int, prefix: str) -> float:
-    """Microseconds of GPU time per call of ``fn`` (kernels whose name starts with ``prefix``)."""
+    """Microseconds of GPU time per call of ``fn`` (kernels whose name contains ``prefix``)."""
     mx.eval(fn())
     if torch is None:
         t0 = time.perf_counter()
