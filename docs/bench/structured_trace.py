@@ -7,7 +7,8 @@ every call), the time from a step's sampling queued to its tokens read and their
 start"), the structured path's wait for the masks (``SlotMasks.wait``) and their upload, and the worker thread's
 llguidance calls (``consume_token_par``, the batched mask). Variants (``--variants``), each with and without the
 schema: ``default``; ``launch-first`` (``BatchEngine.masks_first`` False: the next forward launched before the
-step's tokens are read and their masks started, the order before 2026-12-03); ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval kept);
+step's tokens are read and their masks started, the order before 2026-12-03); ``switch-off``
+(``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval kept);
 ``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``' ``mx.load``);
 ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N`` (llguidance's
 ``LLExecutor`` with N threads, not its default).

@@ -631,13 +631,13 @@ class BatchEngine:
         try:
             while current is not None:
                 # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
-                # With a constrained slot the order differs: step t + 1's sampling needs the masks made from step t's tokens: those
-                # tokens are read first and handed to llguidance on a worker thread (``SlotMasks.start``), then
-                # only step t + 1's forward is queued, so the masks are computed while the host launches that
-                # forward (the launch of a step's kernels is most of its host time, with the GIL released) and
-                # records every slot's token; the masked sampling is queued as soon as the masks are in, then the
-                # host takes the grammar verdicts (``Decoding.settle``) and admits new requests while the device
-                # samples.
+                # With a constrained slot the order differs: step t + 1's sampling needs the masks made from
+                # step t's tokens, so those tokens are read first and handed to llguidance on a worker thread
+                # (``SlotMasks.start``), then only step t + 1's forward is queued: the masks are computed while
+                # the host launches that forward (the launch of a step's kernels is most of its host time, with
+                # the GIL released) and records every slot's token; the masked sampling is queued as soon as the
+                # masks are in, then the host takes the grammar verdicts (``Decoding.settle``) and admits new
+                # requests while the device samples.
                 ahead, deferred, toks = None, False, None
                 if any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots):
                     deferred = any(s is not None and s.constraint is not None for s in slots)

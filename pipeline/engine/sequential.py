@@ -65,7 +65,7 @@ class Engine:
             handful of shapes (each compiled at its first use) instead of one per prompt length: on a fresh
             H200 a job's first 100 rows ran at 34% of their rate on a warm kernel cache, new prompt lengths
             compiling as they came (docs/BENCHMARKS.md). Only where every cache can trim (no quantized
-            storage, no ring the padding would wrap). Off by default (None or False): a fresh H200 ran a
+            storage, no ring the padding would wrap). Off by default: a fresh H200 ran a
             job slower with it, not faster (11 rows in 78 s after the warm-up, against 100 rows in 98 s
             without it; docs/BENCHMARKS.md, 2026-12-03), for a reason not yet found.
 
@@ -89,7 +89,7 @@ class Engine:
 
     def __init__(self, model, eos_token_ids, context_length: int, prefill_step_size: int = 512,
                  cache_spec=None, compile: bool | str = True, tokenizer=None, fused: bool | str = "auto",
-                 batch_size: int = 1, exact_prefix: bool | None = None, pad_prefill: bool | None = None):
+                 batch_size: int = 1, exact_prefix: bool | None = None, pad_prefill: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -122,7 +122,7 @@ class Engine:
         windows = [c.max_size for c in self.cache if c.max_size is not None]
         self._window = min(windows) if windows else None
         self.exact_prefix = mx.default_device() == mx.cpu if exact_prefix is None else bool(exact_prefix)
-        self.pad_prefill = bool(pad_prefill)
+        self.pad_prefill = pad_prefill
         self.prefill_tokens = 0
         self._last: tuple | None = None  # (prompt ids, last logits) while the caches hold exactly that prompt
 

@@ -341,7 +341,8 @@ _UPLOAD: list = []  # the stream the bitmasks are copied to the GPU on (CUDA), m
 
 
 def device_words(bitmask: np.ndarray) -> mx.array:
-    """A llguidance bitmask ``(rows, words)`` int32 on the default device as uint32, evaluated.
+    """A llguidance bitmask ``(rows, words)`` int32 on the default device as uint32 (on CUDA lazy: the copy runs
+    when the array is evaluated).
 
     On MLX's CUDA backend the copy goes through ``mx.load`` of the bitmask's ``.npy`` bytes on a stream of
     its own: MLX's ``Load`` copies host bytes into device memory with ``cudaMemcpyAsync``, where
