@@ -22,6 +22,7 @@ from pipeline.engine.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from pipeline.jobspec import CacheSpec
 from pipeline.engine import Engine, GenerateParams
 from pipeline.engine.cuda import FusedDecoder, Gemma3Decoder, Qwen3Decoder, decoder_for, fused_blocker, model_blocker
+from pipeline.engine.cuda.decoder import SPLIT_MIN_IN, SPLIT_UNITS, Proj
 from pipeline.models import build_model, dequantize_model
 from pipeline.models.base import fuse_projections
 
@@ -130,7 +131,11 @@ def compare_steps(model, prompt_len=37, steps=6, seed=0, make_caches=None, twin=
     dict(model_type="qwen2", tie_word_embeddings=False),          # q/k/v biases, untied head
     dict(rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 256}),
-], ids=["llama-q4g64", "trad-q4g32", "q8", "dense", "bf16", "hd128", "qwen2", "llama3-rope"])
+    dict(head_dim=96, num_attention_heads=2, num_key_value_heads=1),  # attention's fallback value loop
+    dict(intermediate_size=4096),                                 # down: a row split over the block
+    dict(intermediate_size=4096, bits=8, group_size=32),
+], ids=["llama-q4g64", "trad-q4g32", "q8", "dense", "bf16", "hd128", "qwen2", "llama3-rope", "hd96",
+        "split-q4", "split-q8"])
 def test_fused_step_matches_the_model(case):
     model = make_model(**case)
     assert model_blocker(model) is None
@@ -138,6 +143,10 @@ def test_fused_step_matches_the_model(case):
     tol = 3e-2 if case.get("dtype") is mx.bfloat16 else 5e-3
     assert worst < tol, worst
     assert mismatches == 0
+    if case.get("intermediate_size", 0) >= SPLIT_MIN_IN:  # the split kernel is what ran
+        down = Proj(model.model.layers[0].mlp.down_proj)
+        warps = decoder_for(model)._gemv_kernel(down, "residual")[1]
+        assert warps == -(-down.out_dim // SPLIT_UNITS) * 8  # 8 warps a block of SPLIT_UNITS rows
 
 
 @gpu
@@ -295,6 +304,7 @@ def test_model_blocker_names_the_reason():
     gemma = make_model(**GEMMA)
     gemma.args.model_type = "gemma2"
     assert model_blocker(gemma) == "model family gemma2 has no fused step"
+    assert model_blocker(make_model(head_dim=16)) == "head_dim 16"  # the tiny test models' size: unfused
 
 
 class _RecordingKernel:

@@ -8,7 +8,8 @@ call, ``--calls`` launches queued back to back (CUPTI through torch.profiler whe
 wall time of the launches evaluated together). Then the whole step (``Engine.generate``'s decode rate, 256
 tokens, median of 3 after a warm-up) for each attention variant in ``--steps``, built token by token and, with
 ``--replay``, replayed (``Engine.compile_fused``). The first engine of a shape ran slower than later ones of the
-same settings (Llama-3.2-1B: 610 against 936 tok/s), so each shape's first engine is run once untimed.
+same settings (Llama-3.2-1B: 610 against 936 tok/s), so each shape's first engine is run once untimed. With
+``--splits``, the o and down GEMVs and the replayed step for each way of splitting long rows (``set_split``).
 
 Usage (from the repository root, on a CUDA machine)::
 
@@ -31,6 +32,7 @@ import mlx.core as mx
 from pipeline.bench.shapes import _load_ours
 from pipeline.engine import Engine, GenerateParams
 from pipeline.engine.cuda import FusedDecoder
+from pipeline.engine.cuda import decoder as decoder_module
 from pipeline.engine.cuda.decoder import ATTN_CHUNK
 from pipeline.engine.cuda.sources import fill, float_literal, header
 
@@ -73,7 +75,21 @@ def gpu_us(fn, calls: int, prefix: str) -> float:
     return sum(ts) / max(len(ts), 1)
 
 
-def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str):
+DEFAULT_SPLIT = (decoder_module.SPLIT_MIN_IN, decoder_module.SPLIT_UNITS)
+
+
+def set_split(split: str | None) -> None:
+    """The GEMVs built from now on: ``split`` "off" (every row a warp's), "N" (rows of at least
+    ``SPLIT_MIN_IN`` inputs split over a block, N rows a block) or None (as committed)."""
+    if split is None:
+        decoder_module.SPLIT_MIN_IN, decoder_module.SPLIT_UNITS = DEFAULT_SPLIT
+    elif split == "off":
+        decoder_module.SPLIT_MIN_IN = 1 << 30
+    else:
+        decoder_module.SPLIT_MIN_IN, decoder_module.SPLIT_UNITS = DEFAULT_SPLIT[0], int(split)
+
+
+def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str, splits: list[str]):
     lay = dec.layers[0]
     h = mx.random.normal((dec.hidden,)).astype(dec.dtype)
     pos = mx.array([ctx], mx.int32)
@@ -90,6 +106,12 @@ def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str):
     }
     for name, (prefix, fn) in cases.items():
         yield {"shape": shape, "kernel": name, "us": round(gpu_us(fn, calls, prefix), 2)}
+    for split in splits:
+        set_split(split)
+        for name in ("o", "down"):
+            prefix, fn = cases[name]
+            yield {"shape": shape, "kernel": name, "split": split, "us": round(gpu_us(fn, calls, prefix), 2)}
+    set_split(splits[-1] if splits else None)
     built = dec._attn_kernel
     for variant in ("warp-per-32-keys", "thread-per-dim"):
         if variant == "thread-per-dim":
@@ -123,11 +145,14 @@ def main():
     ap.add_argument("--steps", default="thread-per-dim,warp-per-32-keys,thread-per-dim,warp-per-32-keys",
                     help="whole-step runs, in order: the attention variant of each")
     ap.add_argument("--replay", action="store_true", help="also the replayed step of each setting")
+    ap.add_argument("--splits", default="", help="GEMV row splits to compare (set_split), e.g. off,4,2: the o "
+                    "and down kernels, then the whole replayed step, of each")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = []
+    splits = [x for x in args.splits.split(",") if x]
 
     def emit(row):
         print(json.dumps(row), flush=True)
@@ -142,12 +167,18 @@ def main():
             engine = Engine(model, eos_token_ids=[], context_length=args.context + 300, fused=True)
             engine.generate(prompt, GenerateParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             engine.fused.prepare(engine.cache, args.context + 300)
-            for row in kernels(engine.fused, engine.cache[0], args.context, args.calls, shape):
+            for row in kernels(engine.fused, engine.cache[0], args.context, args.calls, shape, splits):
                 emit(row)
             del engine
-        for attn in args.steps.split(","):
+        set_split(None)
+        for attn in args.steps.split(",") if args.steps else ():
             for replay in (False, True) if args.replay else (False,):
                 emit({"shape": shape, "context": args.context, **step_rate(model, prompt, attn, replay, args.trials)})
+        for split in splits:
+            set_split(split)
+            emit({"shape": shape, "context": args.context, "split": split,
+                  **step_rate(model, prompt, "warp-per-32-keys", True, args.trials)})
+        set_split(None)
         del model, bm
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

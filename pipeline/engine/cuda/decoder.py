@@ -16,6 +16,11 @@ from .sources import fill, float_literal, header
 
 ATTN_CHUNK = 128  # keys per attention block (one thread per key)
 WARPS_PER_BLOCK = 8  # per GEMV block of 256 threads
+# A GEMV over at least this many inputs, staged as is ("copy") from quantized weights, splits each row over
+# its block's 8 warps (gemv.cu's body_split), SPLIT_UNITS rows a block: a long row (the down projection's)
+# otherwise leaves too few warps, each with too few loads in flight, to fill the GPU.
+SPLIT_MIN_IN = 4096
+SPLIT_UNITS = 2
 MAX_SMEM_BYTES = 48 * 1024  # static shared memory limit per block (CUDA)
 
 
@@ -67,13 +72,14 @@ class Proj:
         """Input values one lane's 16-byte weight load covers."""
         return 128 // self.bits if self.bits else 16 // dtype.size
 
-    def rows_dot(self, r: int, prefix: str = "", acc: str = "acc") -> str:
-        """CUDA statement: the warp's dot products of rows ``rows[0..r)`` with ``xs`` into ``acc``."""
+    def rows_dot(self, r: int, prefix: str = "", acc: str = "acc", split: bool = False) -> str:
+        """CUDA statement: the warp's dot products of rows ``rows[0..r)`` with ``xs`` into ``acc``
+        (``split``: the block's share of them with ``x`` in global memory, ``calls.cu``'s rows_dot_split)."""
         names = self.names(prefix)
         if self.bits:
             w, s, b = names
-            return fill("calls.cu", "rows_dot_quantized", bits=self.bits, group_size=self.group_size,
-                        in_dim=self.in_dim, rows=r, w=w, s=s, b=b, acc=acc)
+            return fill("calls.cu", "rows_dot_split" if split else "rows_dot_quantized", bits=self.bits,
+                        group_size=self.group_size, in_dim=self.in_dim, rows=r, w=w, s=s, b=b, acc=acc)
         return fill("calls.cu", "rows_dot_dense", in_dim=self.in_dim, rows=r, w=names[0], acc=acc)
 
 
@@ -160,7 +166,8 @@ class FusedDecoder:
             return f"compute dtype {dtype}"
         attn0 = inner.layers[0].self_attn
         head_dim = _head_dim(model)
-        if head_dim % 8 or head_dim > 1024 or attn0.n_heads % attn0.n_kv_heads:
+        # below 32 the fused step's logits were wrong on an H200 (head_dim 16: 53% off, tests/test_fused_gpu.py)
+        if head_dim % 8 or head_dim < 32 or head_dim > 1024 or attn0.n_heads % attn0.n_kv_heads:
             return f"head_dim {head_dim}"
         why = cls._shape_problem(model, dtype, head_dim)
         if why:
@@ -327,26 +334,29 @@ class FusedDecoder:
         def make():
             pair = post in ("swiglu", "geglu")
             n_out = proj.out_dim // 2 if post == "swiglu" else proj.out_dim
-            units = units_per_warp(2 * n_out if pair else n_out, "swiglu" if pair else mode)
+            split = pre == "copy" and post != "swiglu" and proj.bits and proj.in_dim >= SPLIT_MIN_IN
+            units = SPLIT_UNITS if split else units_per_warp(2 * n_out if pair else n_out,
+                                                             "swiglu" if pair else mode)
             r = 2 * units if post == "swiglu" else units
             if post == "geglu":
                 dots = fill("gemv.cu", "dots_geglu", n_rows=r, gate_dot=proj.rows_dot(r, "g"),
                             up_dot=proj2.rows_dot(r, "u", "acc2"))
             else:
-                dots = proj.rows_dot(r)
-            src = fill("gemv.cu", "body", in_dim=proj.in_dim, n_out=n_out, units=units,
-                       prologue=self._prologue(pre, proj.vals(self.dtype)), n_rows=r,
+                dots = proj.rows_dot(r, split=split)
+            src = fill("gemv.cu", "body_split" if split else "body", in_dim=proj.in_dim, n_out=n_out,
+                       units=units, prologue=self._prologue(pre, proj.vals(self.dtype)), n_rows=r,
                        row_index=fill("gemv.cu", "row_index_pair" if post == "swiglu" else "row_index"),
                        dots=dots, store=fill("gemv.cu", f"store_{post}"))
             names = list(self.PROLOGUE_INPUTS[pre])
             names += [*proj.names("g"), *proj2.names("u")] if post == "geglu" else proj.names()
             names += ["r"] if post == "residual" else []
             outs = ["out", "hout"] if pre == "res" else ["out"]
-            return mx.fast.cuda_kernel(name=f"pl_gemv_{mode}", input_names=names, output_names=outs,
-                                       source=src, header=header()), -(-n_out // units), n_out
+            warps = -(-n_out // units) * (WARPS_PER_BLOCK if split else 1)
+            return mx.fast.cuda_kernel(name=f"pl_gemv_{mode}" + ("_split" if split else ""), input_names=names, output_names=outs,
+                                       source=src, header=header()), warps, n_out
 
         sig = lambda p: None if p is None else (p.bits, p.group_size, p.in_dim, p.out_dim)  # noqa: E731
-        return self._kernel(("gemv", mode, sig(proj), sig(proj2)), make)
+        return self._kernel(("gemv", mode, sig(proj), sig(proj2), SPLIT_MIN_IN, SPLIT_UNITS), make)
 
     def _embed_kernel(self):
         """``kernels/embed.cu`` for the embedding's layout (and Gemma's scale)."""

@@ -43,11 +43,13 @@
   const int kend = min(CH, L - s * CH);
   float* part = const_cast<float*>(scratch) + ((size_t)h * NS + s) * (D + 2);
   const T* vbase = vc + ((size_t)kvh * cap + (size_t)s * CH) * D;
-  constexpr int VD = D / 32;  // values of a value row per lane
+  // values of a value row per lane; at least 1 and a power-of-two alignment, so the branch below compiles
+  // for every head size (a kernel is no template: a discarded `if constexpr` branch is still compiled)
+  constexpr int VD = D >= 32 ? D / 32 : 1;
   if constexpr (D % 32 == 0 && (VD & (VD - 1)) == 0 && VD <= 8) {
     // The weighted values: warp w sums keys w*32 .. w*32+31 of the chunk, each lane VD consecutive values of
     // every row (one coalesced row read per warp and key), then the warps' sums are added.
-    struct alignas(VD * sizeof(T)) Vec { T v[VD]; };
+    struct alignas((VD & (VD - 1)) == 0 ? VD * sizeof(T) : sizeof(T)) Vec { T v[VD]; };
     constexpr int NW = NT / 32;
     __shared__ float vpart[NW][D];
     const int w = t >> 5, lane = t & 31;

@@ -5,11 +5,15 @@
 // rows_dot_*: the warp's dot products of the weight rows rows[0..$rows) with the staged x (xs) into $acc;
 //   $w, $s, $b the kernel's input names of the packed weights, scales and biases (quantized) or of the
 //   dense weights ($w).
+// rows_dot_split: the same, quantized, the row split over the block's threads (gemv.cu's body_split), x
+//   read from global memory.
 // load_x: x (or RMSNorm(x, nw) when $norm is true) into shared memory, swizzled for $vals-value loads.
 // load_x_res: Gemma 3's residual step first (pl_load_x_res); $clip true in float16, $write true when the
 //   kernel also writes the new residual stream ($hout = hout, else a null pointer).
 //@ rows_dot_quantized
 pl_rows_dot<T, $bits, $group_size, $in_dim, $rows>($w, (const T*)nullptr, $s, $b, rows, xs, lane, $acc);
+//@ rows_dot_split
+pl_rows_dot<T, $bits, $group_size, $in_dim, $rows, NT, true>($w, (const T*)nullptr, $s, $b, rows, x, threadIdx.x, $acc);
 //@ rows_dot_dense
 pl_rows_dot<T, 0, 1, $in_dim, $rows>((const uint32_t*)nullptr, $w, (const T*)nullptr, (const T*)nullptr, rows, xs, lane, $acc);
 //@ load_x

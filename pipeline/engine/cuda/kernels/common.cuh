@@ -76,8 +76,10 @@ __device__ __forceinline__ void pl_load_x(const T* x, const T* nw, float eps, T*
 // BITS 4 or 8: MLX affine quantization (uint32 words, 32/BITS values each, low bits first;
 // value = scale * q + bias per GS values). BITS 0: dense weights of type T.
 // Each lane reads 16-byte chunks of every row (a chunk never straddles a quantization group) and the
-// matching x values once for all R rows.
-template <typename T, int BITS, int GS, int K, int R>
+// matching x values once for all R rows: chunks lane, lane + STRIDE, ... (STRIDE 32: the warp covers the
+// row; 256 with lane = threadIdx.x: the block's 8 warps split it, each warp's sums still partial).
+// GX: x read from global memory in order (quantized only), not from the swizzled shared copy.
+template <typename T, int BITS, int GS, int K, int R, int STRIDE = 32, bool GX = false>
 __device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, const T* sc, const T* bi,
                                             const int (&rows)[R], const T* xs, int lane, float (&out)[R]) {
   constexpr int PS = 16 / sizeof(T);
@@ -107,7 +109,7 @@ __device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, con
     constexpr int NG = K / GS;
     constexpr int NP = VALS / PS;
 #pragma unroll 2
-    for (int c = lane; c < CH; c += 32) {
+    for (int c = lane; c < CH; c += STRIDE) {
       uint4 wv[R];
       float s[R], b[R];
 #pragma unroll
@@ -120,7 +122,8 @@ __device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, con
       float sx = 0.f;
 #pragma unroll
       for (int p = 0; p < NP; p++) {
-        const uint4 xr = *reinterpret_cast<const uint4*>(xs + (p * CH + c) * PS);
+        const uint4 xr = GX ? reinterpret_cast<const uint4*>(xs + c * VALS)[p]
+                            : *reinterpret_cast<const uint4*>(xs + (p * CH + c) * PS);
         const T* xv = reinterpret_cast<const T*>(&xr);
 #pragma unroll
         for (int e = 0; e < PS; e++) {

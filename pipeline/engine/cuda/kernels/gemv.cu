@@ -3,6 +3,9 @@
 // stores the rows. Filled in by FusedDecoder._gemv_kernel (pipeline/engine/cuda/decoder.py), whose
 // GEMV_MODES name the prologue and epilogue of each mode. MLX's rounding to T after each op.
 //
+// body_split: the same for a long input (prologue "copy", quantized weights): the block's 8 warps split
+// every row of its $units, x read from global memory (no staging); the warps' sums added in shared memory.
+//
 // row_index: the weight row of unit u; row_index_pair (swiglu): the gate row and the up row N below it.
 // dots_geglu: the gate and the up projection (two matrices) into acc and acc2.
 // store_*: out = T(W x) (plain); T(T(W x) + r) (residual); silu(gate) * up (swiglu);
@@ -43,6 +46,35 @@ float acc2[$n_rows];
   for (int u = 0; u < U; u++) { $row_index }
   $dots
   if (lane != 0) return;
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    if (u0 + u >= N) break;
+$store
+  }
+//@ body_split
+
+  constexpr int K = $in_dim, NT = 256, N = $n_out, U = $units;
+  __shared__ float part[NT / 32][$n_rows];
+  const int lane = threadIdx.x & 31;
+  const int u0 = blockIdx.x * U;
+  int rows[$n_rows];
+  float acc[$n_rows];
+#pragma unroll
+  for (int u = 0; u < U; u++) { $row_index }
+  $dots
+  if (lane == 0) {
+#pragma unroll
+    for (int u = 0; u < $n_rows; u++) part[threadIdx.x >> 5][u] = acc[u];
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+#pragma unroll
+  for (int u = 0; u < $n_rows; u++) {
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < NT / 32; w++) t += part[w][u];
+    acc[u] = t;
+  }
 #pragma unroll
   for (int u = 0; u < U; u++) {
     if (u0 + u >= N) break;
