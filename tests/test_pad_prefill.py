@@ -11,6 +11,7 @@ import pytest
 import pipeline  # noqa: F401  (OpenBLAS before tiny_model imports mlx.core, as in `pipeline run`)
 
 # isort: split
+import mlx.core as mx
 from test_parity_llamacpp import TOP1_MARGIN, TOP5_TOLERANCE
 from tiny_model import write_tiny_model
 
@@ -29,6 +30,12 @@ def _keys(engine, n):
     return [np.array(c.keys[..., :n, :]) for c in engine.cache]
 
 
+# On MLX's CUDA backend float32 matmuls of different shapes (the padded prefill's against the prompt's
+# own) differ by more than float32 rounding: on an H200 up to 8.3e-3 in these logits (n = 17, 70), against
+# 0 to 1e-4 on the CPU. A wrong cache (a pad position attended, a position shifted) is off by ~1.
+FLOAT32_GPU_TOL = 2e-2
+
+
 @pytest.mark.parametrize("n", [3, 16, 17, 40, 70])
 def test_the_caches_and_logits_are_the_prompts_own(tiny, n):
     # float32 on every device: the claim is equality to float32 rounding (float16 has its own, ~1e-3)
@@ -42,9 +49,10 @@ def test_the_caches_and_logits_are_the_prompts_own(tiny, n):
     assert size == max(PREFILL_MIN_BUCKET, 1 << ((min(n, 64) if n <= 64 else n - 64) - 1).bit_length())
     got = np.array(eng.forward(ids))
     assert all(c.offset == n for c in eng.cache)
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    tol = FLOAT32_GPU_TOL if mx.default_device() == mx.gpu else 1e-4
+    np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
     for a, b in zip(_keys(eng, n), keys):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
     params = GenerateParams(max_tokens=6, ignore_eos=True)
     eng.pad_prefill = False
     plain = eng.generate(ids, params).token_ids

@@ -11,6 +11,7 @@ import json
 import re
 
 import jsonschema
+import mlx.core as mx
 import pytest
 import yaml
 
@@ -105,11 +106,19 @@ def schema_runs(default_model):
     reqs = _requests(lm)
     seq = {r.tag: lm.engine.generate(r.prompt_ids, r.params) for r in reqs}
     bat = dict(BatchEngine(lm.engine, 4, 256).run(reqs))
-    return seq, bat
+    return seq, bat, {r.tag: r.prompt_ids for r in reqs}
+
+
+# Greedy sequential and batched runs share every token in float32 (the CPU's dtype); in float16 (the GPU's
+# default) the two steps' logits differ by rounding, so the allowed tokens' best can flip where two are
+# nearly tied: a first difference is excused only where the model's own logits (its forward over the
+# prompt and the tokens before it) put the two tokens closer than this. Measured on an H200 (float16):
+# one of 20 rows differed, at '":"' against '":' then '"' (the same text).
+FLOAT16_NEAR_TIE = 0.1
 
 
 def test_finished_completions_parse_and_validate(schema_runs):
-    seq, _ = schema_runs
+    seq, _, _ = schema_runs
     stopped = [i for i, g in seq.items() if g.finish_reason == "stop"]
     for i in stopped:
         jsonschema.validate(json.loads(seq[i].text), SCHEMAS[i][1])
@@ -121,12 +130,21 @@ def test_finished_completions_parse_and_validate(schema_runs):
     assert len(stopped) >= 15
 
 
-def test_greedy_structured_output_is_the_same_batched(schema_runs):
-    seq, bat = schema_runs
+def test_greedy_structured_output_is_the_same_batched(default_model, schema_runs):
+    seq, bat, prompts = schema_runs
     assert bat.keys() == seq.keys()
     for i in seq:
-        assert bat[i].token_ids == seq[i].token_ids, (i, seq[i].text, bat[i].text)
-        assert bat[i].finish_reason == seq[i].finish_reason
+        first = next((k for k, (a, b) in enumerate(zip(seq[i].token_ids, bat[i].token_ids)) if a != b), None)
+        if first is None:
+            assert bat[i].token_ids == seq[i].token_ids, (i, seq[i].text, bat[i].text)
+            assert bat[i].finish_reason == seq[i].finish_reason
+            continue
+        model = default_model.model
+        logits = model(mx.array(prompts[i] + seq[i].token_ids[:first])[None], model.make_cache())[0, -1]
+        assert logits.dtype != mx.float32, (i, first, seq[i].text, bat[i].text)  # float32: no tie excused
+        a, b = seq[i].token_ids[first], bat[i].token_ids[first]
+        gap = abs(logits[a].item() - logits[b].item())
+        assert gap < FLOAT16_NEAR_TIE, (i, first, a, b, gap)
 
 
 @pytest.mark.parametrize("structured", [StructuredOutputsParams(choice=("Paris, France",)),
