@@ -3,12 +3,14 @@ schema (jobs/bench_structured.yaml's), on the real default model, in one process
 
 The run loop (``BatchEngine.run``) is timed from outside: the step's forward and sampling as built
 ("forward", "queue: sampling"), the host's kernel launches (``mx.async_eval`` in the batch module: "launch",
-every call), the time from a step's sampling queued to its tokens read and their masks started ("sampled ->
-start"), the structured path's wait for the masks (``SlotMasks.wait``) and their upload, and the worker thread's
-llguidance calls (``consume_token_par``, the batched mask). Variants (``--variants``), each with and without the
-schema: ``default``; ``launch-first`` (``BatchEngine.masks_first`` False: the next forward launched before the
-step's tokens are read and their masks started, the order before 2026-12-03); ``switch-off``
-(``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval kept);
+every call; "launch: forward", "launch: sampling", "launch: other" by what was built before it), the time
+from a step's sampling queued to its tokens read and their masks started ("sampled -> start"; "launched ->
+start" from the end of its launch), the structured path's wait for the masks (``SlotMasks.wait``) and their
+upload, and the worker thread's llguidance calls (``consume_token_par``, the batched mask); with
+``--cprofile N`` also the host thread's N functions of most own time. Variants (``--variants``), each with
+and without the schema: ``default``; ``launch-first`` (``BatchEngine.masks_first`` False: the next forward
+launched before the step's tokens are read and their masks started, the order before 2026-12-03);
+``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval kept);
 ``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``' ``mx.load``);
 ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N`` (llguidance's
 ``LLExecutor`` with N threads, not its default).
@@ -62,10 +64,37 @@ def timed(name, fn):
     return wrapper
 
 
-class _TimedMx:
-    """``mlx.core`` for the batch module, with ``async_eval`` timed ("launch": the host's kernel launches)."""
+QUEUED = ["other"]  # what the batch module built last: "forward", "sampling" (``SlotSampler.step``) or "other"
 
-    async_eval = staticmethod(timed("launch", mx.async_eval))
+
+def launch(*arrays):
+    """``mx.async_eval``, timed as "launch" (every call) and as "launch: " + what was built since the last one:
+    "forward" (the constrained path's forward alone), "sampling" (the sampling, with the forward on the plain
+    path) or "other" (a prefill's)."""
+    t0 = time.perf_counter()
+    try:
+        return mx.async_eval(*arrays)
+    finally:
+        t1 = time.perf_counter()
+        SPANS["launch"].append(t1 - t0)
+        SPANS["launch: " + QUEUED[0]].append(t1 - t0)
+        MARK["launch: " + QUEUED[0]] = t1
+        QUEUED[0] = "other"
+
+
+def queued(what, fn):
+    def wrapper(*a, **k):
+        try:
+            return fn(*a, **k)
+        finally:
+            QUEUED[0] = what
+    return wrapper
+
+
+class _TimedMx:
+    """``mlx.core`` for the batch module, with ``async_eval`` timed (``launch``)."""
+
+    async_eval = staticmethod(launch)
 
     def __getattr__(self, name):
         return getattr(mx, name)
@@ -82,6 +111,8 @@ def instrument():
         now = time.perf_counter()
         if "queue: sampling" in MARK:  # the previous step's sampling queued -> its tokens read (masks_first)
             SPANS["sampled -> start"].append(now - MARK["queue: sampling"])
+        if "launch: sampling" in MARK:  # ... from the end of its launch
+            SPANS["launched -> start"].append(now - MARK["launch: sampling"])
         return orig_start(self, slots, tokens)
 
     cls.start = start
@@ -105,11 +136,11 @@ def instrument():
         return self.executor
 
     cls._executor = executor
-    SlotSampler.step = timed("queue: sampling", SlotSampler.step)
+    SlotSampler.step = queued("sampling", timed("queue: sampling", SlotSampler.step))
     orig_fn = BatchEngine._step_fn
 
     def step_fn(self):
-        return timed("forward", orig_fn(self))
+        return queued("forward", timed("forward", orig_fn(self)))
 
     BatchEngine._step_fn = step_fn
 
@@ -141,6 +172,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--variants", default="default")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="also profile the first variant's JSON run with cProfile (the host thread) and print its "
+                         "N functions of most own time")
     args = ap.parse_args()
     schema = yaml.safe_load((ROOT / "jobs/bench_structured.yaml").read_text())["generation"]["structured"]["json"]
     lm = pipeline.load_model(batch_size=args.batch_size)
@@ -162,10 +196,32 @@ def main():
             row = {"variant": name, "kind": kind, **run(lm, prompts, params, args.batch_size)}
             print(json.dumps(row), flush=True)
             results.append(row)
+            if args.cprofile and kind == "json" and len(results) == 2:
+                results.append(host_profile(lm, prompts, params, args.batch_size, args.cprofile))
+                print(json.dumps(results[-1]), flush=True)
     results.append(upload_costs(args.batch_size, lm.tokenizer.vocab_size))
     print(json.dumps(results[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def host_profile(lm, prompts, params, b: int, top: int) -> dict:
+    """The run again under cProfile: the host thread's ``top`` functions by own time (ms per step; time a C
+    call spends waiting, e.g. ``tolist`` for the device, counts as its own)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    out = run(lm, prompts, params, b)
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    steps = max(out["steps"], 1)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"cprofile_ms_per_step": round(out["ms_per_step"], 3),
+            "functions": [{"fn": f"{Path(f).name}:{line}:{name}", "calls": nc,
+                           "own_ms_per_step": round(1e3 * tt / steps, 3), "cum_ms_per_step": round(1e3 * ct / steps, 3)}
+                          for (f, line, name), (_, nc, tt, ct, _) in rows]}
 
 
 def upload_costs(rows: int, vocab: int, trials: int = 30) -> dict:
