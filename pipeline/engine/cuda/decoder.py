@@ -352,8 +352,9 @@ class FusedDecoder:
             names += ["r"] if post == "residual" else []
             outs = ["out", "hout"] if pre == "res" else ["out"]
             warps = -(-n_out // units) * (WARPS_PER_BLOCK if split else 1)
-            return mx.fast.cuda_kernel(name=f"pl_gemv_{mode}" + ("_split" if split else ""), input_names=names, output_names=outs,
-                                       source=src, header=header()), warps, n_out
+            name = f"pl_gemv_{mode}" + ("_split" if split else "")
+            return mx.fast.cuda_kernel(name=name, input_names=names, output_names=outs, source=src,
+                                       header=header()), warps, n_out
 
         sig = lambda p: None if p is None else (p.bits, p.group_size, p.in_dim, p.out_dim)  # noqa: E731
         return self._kernel(("gemv", mode, sig(proj), sig(proj2), SPLIT_MIN_IN, SPLIT_UNITS), make)
