@@ -8,17 +8,16 @@ from a step's sampling queued to its tokens read and their masks started ("sampl
 start" from the end of its launch), the structured path's wait for the masks (``SlotMasks.wait``) and their
 upload, and the worker thread's llguidance calls (``consume_token_par``, the batched mask); with
 ``--cprofile N`` also the host thread's N functions of most own time. Variants (``--variants``), each with
-and without the schema: ``default``; ``launch-first`` (``BatchEngine.masks_first`` False: the next forward
-launched before the step's tokens are read and their masks started, the order before 2026-12-03);
-``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval kept);
-``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``' ``mx.load``);
-``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N`` (llguidance's
-``LLExecutor`` with N threads, not its default).
+and without the schema: ``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms
+switch interval kept); ``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``'
+``mx.load``); ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N``
+(llguidance's ``LLExecutor`` with N threads, not its default). (``launch-first``, the forward launched before
+the step's tokens were read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
 
 Usage (from the repository root)::
 
     PYTHONPATH=. python docs/bench/structured_trace.py --rows 512 --batch-size 256 --max-tokens 128 \
-        --variants default,launch-first,switch-off,mx-array,no-kernel
+        --variants default,switch-off,mx-array,no-kernel
 
 Prints one JSON line per (variant, schema or not): tok/s, steps, and the median milliseconds per step of each
 interval.
@@ -109,7 +108,7 @@ def instrument():
 
     def start(self, slots, tokens):
         now = time.perf_counter()
-        if "queue: sampling" in MARK:  # the previous step's sampling queued -> its tokens read (masks_first)
+        if "queue: sampling" in MARK:  # the previous step's sampling queued -> its tokens read
             SPANS["sampled -> start"].append(now - MARK["queue: sampling"])
         if "launch: sampling" in MARK:  # ... from the end of its launch
             SPANS["launched -> start"].append(now - MARK["launch: sampling"])
@@ -145,7 +144,6 @@ def instrument():
     BatchEngine._step_fn = step_fn
 
 
-MASKS_FIRST: list = [True]  # BatchEngine.masks_first of the next run
 
 
 def run(lm, prompts, params, b):
@@ -153,7 +151,6 @@ def run(lm, prompts, params, b):
     MARK.clear()
     t0 = time.perf_counter()
     engine = BatchEngine(lm.engine, b, max(len(p) for p in prompts) + params.max_tokens)
-    engine.masks_first = MASKS_FIRST[0]
     gens = [g for _, g in engine.run([Request(i, p, params) for i, p in enumerate(prompts)])]
     s = time.perf_counter() - t0
     n = sum(len(g.token_ids) for g in gens)
@@ -191,7 +188,6 @@ def main():
         st.SlotMasks.SWITCH_INTERVAL = None if name == "switch-off" else interval
         mask_kernel.ENABLED = name != "no-kernel"
         THREADS[0] = int(name.split("-")[1]) if name.startswith("threads-") else None
-        MASKS_FIRST[0] = name != "launch-first"
         for kind, params in settings.items():
             row = {"variant": name, "kind": kind, **run(lm, prompts, params, args.batch_size)}
             print(json.dumps(row), flush=True)

@@ -164,9 +164,6 @@ class BatchEngine:
         self._closures: dict[tuple, object] = {}
         self.trace_count = 0
         self.cuda_step = True  # False: the generic step even where the CUDA one can run (to compare them)
-        # With a constrained slot: read a step's tokens and start their masks before the next forward is
-        # launched (False: after, the order before 2026-12-03; kept to compare them, docs/bench/structured_trace.py)
-        self.masks_first = True
         self._generic_why = batched_blocker(engine.model, self.kinds)
         self.decoder = BatchedDecoder(engine.model, self.kinds) if self._generic_why is None else None
 
@@ -643,9 +640,8 @@ class BatchEngine:
                     deferred = any(s is not None and s.constraint is not None for s in slots)
                     if deferred:
                         at = list(slots)  # the slots as step t + 1 sees them
-                        if self.masks_first:
-                            toks = current[0].tolist()
-                            masks.start(at, toks)
+                        toks = current[0].tolist()
+                        masks.start(at, toks)
                     ahead = forward(current[0], current[1], active)
                     if deferred:
                         mx.async_eval(ahead, *self.buffers)
@@ -653,8 +649,6 @@ class BatchEngine:
                         ahead = sample(ahead)
                 if toks is None:
                     toks = current[0].tolist()
-                    if deferred:
-                        masks.start(at, toks)
                 out, later = [], []
 
                 def end(b: int, step) -> None:

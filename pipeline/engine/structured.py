@@ -7,8 +7,9 @@ consumes every generated token and computes the mask of tokens allowed next (a b
 word, bit ``i % 32`` of word ``i // 32``). The mask goes to the device as that bitmask (``allowed_tokens``:
 a ``TokenMask``), and the sampler applies it before every sampler setting (``sampler.sample_step``,
 ``batch_sampler.sample_batch``; on MLX's CUDA backend one kernel, ``cuda.mask``). llguidance computes a
-mask with the GIL released, so it runs while the device computes the step's forward (the decode loops
-queue the forward first, read the previous token, then compute the mask).
+mask with the GIL released, so it runs while the device computes the step's forward (sequential decoding
+queues the forward first, reads the previous token, then computes the mask; the batched loop reads a step's
+tokens, starts their masks on a worker thread, ``SlotMasks``, then launches the next forward).
 
 EOS and the request's ``stop_token_ids`` are allowed only where the grammar accepts (llguidance sets the
 EOS bits there; the other stop ids copy them). A request whose matcher has stopped (the grammar admits
