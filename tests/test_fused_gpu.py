@@ -22,7 +22,7 @@ from pipeline.engine.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from pipeline.jobspec import CacheSpec
 from pipeline.engine import Engine, GenerateParams
 from pipeline.engine.cuda import FusedDecoder, Gemma3Decoder, Qwen3Decoder, decoder_for, fused_blocker, model_blocker
-from pipeline.engine.cuda.decoder import SPLIT_MIN_IN, SPLIT_UNITS, Proj
+from pipeline.engine.cuda.decoder import SPLIT_MIN_IN, SPLIT_UNITS, WARPS_PER_BLOCK, Proj
 from pipeline.models import build_model, dequantize_model
 from pipeline.models.base import fuse_projections
 
@@ -146,7 +146,7 @@ def test_fused_step_matches_the_model(case):
     if case.get("intermediate_size", 0) >= SPLIT_MIN_IN:  # the split kernel is what ran
         down = Proj(model.model.layers[0].mlp.down_proj)
         warps = decoder_for(model)._gemv_kernel(down, "residual")[1]
-        assert warps == -(-down.out_dim // SPLIT_UNITS) * 8  # 8 warps a block of SPLIT_UNITS rows
+        assert warps == -(-down.out_dim // SPLIT_UNITS) * WARPS_PER_BLOCK  # a block of SPLIT_UNITS rows
 
 
 @gpu

@@ -111,7 +111,6 @@ def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str, splits: 
         for name in ("o", "down"):
             prefix, fn = cases[name]
             yield {"shape": shape, "kernel": name, "split": split, "us": round(gpu_us(fn, calls, prefix), 2)}
-    set_split(splits[-1] if splits else None)
     built = dec._attn_kernel
     for variant in ("warp-per-32-keys", "thread-per-dim"):
         if variant == "thread-per-dim":

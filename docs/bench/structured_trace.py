@@ -70,15 +70,8 @@ def launch(*arrays):
     """``mx.async_eval``, timed as "launch" (every call) and as "launch: " + what was built since the last one:
     "forward" (the constrained path's forward alone), "sampling" (the sampling, with the forward on the plain
     path) or "other" (a prefill's)."""
-    t0 = time.perf_counter()
-    try:
-        return mx.async_eval(*arrays)
-    finally:
-        t1 = time.perf_counter()
-        SPANS["launch"].append(t1 - t0)
-        SPANS["launch: " + QUEUED[0]].append(t1 - t0)
-        MARK["launch: " + QUEUED[0]] = t1
-        QUEUED[0] = "other"
+    what, QUEUED[0] = QUEUED[0], "other"
+    return timed("launch: " + what, timed("launch", mx.async_eval))(*arrays)
 
 
 def queued(what, fn):
@@ -116,6 +109,7 @@ def instrument():
 
     cls.start = start
     batch_module.mx = _TimedMx()
+
     def wait(self, vocab):
         t0 = time.perf_counter()
         job, self._job = self._job, None
@@ -142,8 +136,6 @@ def instrument():
         return queued("forward", timed("forward", orig_fn(self)))
 
     BatchEngine._step_fn = step_fn
-
-
 
 
 def run(lm, prompts, params, b):

@@ -334,7 +334,7 @@ class FusedDecoder:
         def make():
             pair = post in ("swiglu", "geglu")
             n_out = proj.out_dim // 2 if post == "swiglu" else proj.out_dim
-            split = pre == "copy" and post != "swiglu" and proj.bits and proj.in_dim >= SPLIT_MIN_IN
+            split = pre == "copy" and bool(proj.bits) and proj.in_dim >= SPLIT_MIN_IN  # "copy": plain or residual
             units = SPLIT_UNITS if split else units_per_warp(2 * n_out if pair else n_out,
                                                              "swiglu" if pair else mode)
             r = 2 * units if post == "swiglu" else units
