@@ -10,13 +10,10 @@ tokens, median of 3 after a warm-up) for each attention variant in ``--steps``, 
 ``--replay``, replayed (``Engine.compile_fused``). The first engine of a shape ran slower than later ones of the
 same settings (Llama-3.2-1B: 610 against 936 tok/s), so each shape's first engine is run once untimed. With
 ``--splits``, the o and down GEMVs and the replayed step for each way of splitting long rows (``set_split``).
+With ``--gemv``, every GEMV (and the q/k/v kernel) and the replayed step for each variant of the chunk loop's
+unrolling and the gate/up rows a warp (``set_gemv``: ``u2`` = ``GEMV_UNROLL`` 2; a trailing ``sN``: N gate/up
+row pairs a warp).
 
-Usage (from the repository root, on a CUDA machine)::
-
-    PYTHONPATH=. python docs/bench/fused_kernels.py --shapes qwen2.5-7b,llama-3.2-1b,smollm2-135m \
-        --context 560 --json /tmp/kernels.json
-
-Prints one JSON line per measurement.
 """
 
 from __future__ import annotations
@@ -89,7 +86,22 @@ def set_split(split: str | None) -> None:
         decoder_module.SPLIT_MIN_IN, decoder_module.SPLIT_UNITS = DEFAULT_SPLIT[0], int(split)
 
 
-def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str, splits: list[str]):
+DEFAULT_GEMV = (decoder_module.GEMV_UNROLL, decoder_module.units_per_warp)
+
+
+def set_gemv(variant: str | None) -> None:
+    """The GEMVs built from now on: ``variant`` ``u<unroll>[s<gate/up units>]`` or None (as committed)."""
+    unroll, units = DEFAULT_GEMV
+    decoder_module.GEMV_UNROLL, decoder_module.units_per_warp = unroll, units
+    if variant is None:
+        return
+    u, _, su = variant[1:].partition("s")
+    decoder_module.GEMV_UNROLL = int(u)
+    if su:
+        decoder_module.units_per_warp = lambda rows, mode: int(su) if mode == "swiglu" else units(rows, mode)
+
+
+def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str, splits: list[str], gemvs: list[str]):
     lay = dec.layers[0]
     h = mx.random.normal((dec.hidden,)).astype(dec.dtype)
     pos = mx.array([ctx], mx.int32)
@@ -111,6 +123,14 @@ def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str, splits: 
         for name in ("o", "down"):
             prefix, fn = cases[name]
             yield {"shape": shape, "kernel": name, "split": split, "us": round(gpu_us(fn, calls, prefix), 2)}
+    for variant in gemvs:
+        set_gemv(variant)
+        dec._kernels.clear()  # the gate/up rows a warp are not part of a kernel's key
+        for name in ("qkv", "o", "gate_up", "down", "head"):
+            prefix, fn = cases[name]
+            yield {"shape": shape, "kernel": name, "gemv": variant, "us": round(gpu_us(fn, calls, prefix), 2)}
+    set_gemv(None)
+    dec._kernels.clear()
     built = dec._attn_kernel
     for variant in ("warp-per-32-keys", "thread-per-dim"):
         if variant == "thread-per-dim":
@@ -146,12 +166,15 @@ def main():
     ap.add_argument("--replay", action="store_true", help="also the replayed step of each setting")
     ap.add_argument("--splits", default="", help="GEMV row splits to compare (set_split), e.g. off,4,2: the o "
                     "and down kernels, then the whole replayed step, of each")
+    ap.add_argument("--gemv", default="", help="GEMV variants to compare (set_gemv), e.g. u1,u2,u1s4: "
+                    "every GEMV kernel, then the whole replayed step, of each")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = []
     splits = [x for x in args.splits.split(",") if x]
+    gemvs = [x for x in args.gemv.split(",") if x]
 
     def emit(row):
         print(json.dumps(row), flush=True)
@@ -166,7 +189,7 @@ def main():
             engine = Engine(model, eos_token_ids=[], context_length=args.context + 300, fused=True)
             engine.generate(prompt, GenerateParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             engine.fused.prepare(engine.cache, args.context + 300)
-            for row in kernels(engine.fused, engine.cache[0], args.context, args.calls, shape, splits):
+            for row in kernels(engine.fused, engine.cache[0], args.context, args.calls, shape, splits, gemvs):
                 emit(row)
             del engine
         set_split(None)
@@ -178,6 +201,11 @@ def main():
             emit({"shape": shape, "context": args.context, "split": split,
                   **step_rate(model, prompt, "warp-per-32-keys", True, args.trials)})
         set_split(None)
+        for variant in gemvs:
+            set_gemv(variant)
+            emit({"shape": shape, "context": args.context, "gemv": variant,
+                  **step_rate(model, prompt, "warp-per-32-keys", True, args.trials)})
+        set_gemv(None)
         del model, bm
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

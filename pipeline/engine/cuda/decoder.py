@@ -22,6 +22,9 @@ WARPS_PER_BLOCK = 8  # per GEMV block of 256 threads
 SPLIT_MIN_IN = 4096
 SPLIT_UNITS = 2
 MAX_SMEM_BYTES = 48 * 1024  # static shared memory limit per block (CUDA)
+# Chunks of every row a lane has in flight (pl_rows_dot's UNROLL). 1 rather than 2: fewer registers, more
+# warps an SM; Qwen2.5-7B shape on an H200, replayed step 277.8 -> 304.4 tok/s (docs/BENCHMARKS.md, 2026-12-03).
+GEMV_UNROLL = 1
 
 
 def units_per_warp(rows: int, mode: str) -> int:
@@ -79,8 +82,9 @@ class Proj:
         if self.bits:
             w, s, b = names
             return fill("calls.cu", "rows_dot_split" if split else "rows_dot_quantized", bits=self.bits,
-                        group_size=self.group_size, in_dim=self.in_dim, rows=r, w=w, s=s, b=b, acc=acc)
-        return fill("calls.cu", "rows_dot_dense", in_dim=self.in_dim, rows=r, w=names[0], acc=acc)
+                        group_size=self.group_size, in_dim=self.in_dim, rows=r, w=w, s=s, b=b, acc=acc,
+                        unroll=GEMV_UNROLL)
+        return fill("calls.cu", "rows_dot_dense", in_dim=self.in_dim, rows=r, w=names[0], acc=acc, unroll=GEMV_UNROLL)
 
 
 def projs_problem(groups: list[list[Proj]], what: str) -> str | None:
@@ -240,8 +244,8 @@ class FusedDecoder:
             return mx.fast.cuda_kernel(name="pl_qkv", input_names=names, output_names=["q"], source=src,
                                        header=header()), pairs
 
-        return self._kernel(("qkv", qkv.bits, qkv.group_size, qkv.in_dim, qkv.out_dim, trad, pscale, has_bias, win),
-                            make)
+        return self._kernel(("qkv", qkv.bits, qkv.group_size, qkv.in_dim, qkv.out_dim, trad, pscale, has_bias, win,
+                             GEMV_UNROLL), make)
 
     def _qkv_norm_kernel(self, lay: dict, res: bool, win: int):
         """``kernels/qkv_norm.cu``: the q/k/v step of a layer with per-head q/k RMSNorms (Gemma 3, Qwen 3), one
@@ -276,7 +280,7 @@ class FusedDecoder:
                                        output_names=["q", "hout"] if res else ["q"], source=src, header=header())
 
         sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim) for p in projs)
-        return self._kernel(("qkv_norm", sig, trad, pscale, res, win), make)
+        return self._kernel(("qkv_norm", sig, trad, pscale, res, win, GEMV_UNROLL), make)
 
     @staticmethod
     def qkv_arrays(lay: dict) -> list:
@@ -357,7 +361,7 @@ class FusedDecoder:
                                        header=header()), warps, n_out
 
         sig = lambda p: None if p is None else (p.bits, p.group_size, p.in_dim, p.out_dim)  # noqa: E731
-        return self._kernel(("gemv", mode, sig(proj), sig(proj2), SPLIT_MIN_IN, SPLIT_UNITS), make)
+        return self._kernel(("gemv", mode, sig(proj), sig(proj2), SPLIT_MIN_IN, SPLIT_UNITS, GEMV_UNROLL), make)
 
     def _embed_kernel(self):
         """``kernels/embed.cu`` for the embedding's layout (and Gemma's scale)."""

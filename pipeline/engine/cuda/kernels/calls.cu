@@ -11,11 +11,11 @@
 // load_x_res: Gemma 3's residual step first (pl_load_x_res); $clip true in float16, $write true when the
 //   kernel also writes the new residual stream ($hout = hout, else a null pointer).
 //@ rows_dot_quantized
-pl_rows_dot<T, $bits, $group_size, $in_dim, $rows>($w, (const T*)nullptr, $s, $b, rows, xs, lane, $acc);
+pl_rows_dot<T, $bits, $group_size, $in_dim, $rows, 32, false, $unroll>($w, (const T*)nullptr, $s, $b, rows, xs, lane, $acc);
 //@ rows_dot_split
-pl_rows_dot<T, $bits, $group_size, $in_dim, $rows, NT, true>($w, (const T*)nullptr, $s, $b, rows, x, threadIdx.x, $acc);
+pl_rows_dot<T, $bits, $group_size, $in_dim, $rows, NT, true, $unroll>($w, (const T*)nullptr, $s, $b, rows, x, threadIdx.x, $acc);
 //@ rows_dot_dense
-pl_rows_dot<T, 0, 1, $in_dim, $rows>((const uint32_t*)nullptr, $w, (const T*)nullptr, (const T*)nullptr, rows, xs, lane, $acc);
+pl_rows_dot<T, 0, 1, $in_dim, $rows, 32, false, $unroll>((const uint32_t*)nullptr, $w, (const T*)nullptr, (const T*)nullptr, rows, xs, lane, $acc);
 //@ load_x
 pl_load_x<T, K, NT, $norm, $vals>(x, $weight, $eps, xs, red);
 //@ load_x_res

@@ -79,7 +79,8 @@ __device__ __forceinline__ void pl_load_x(const T* x, const T* nw, float eps, T*
 // matching x values once for all R rows: chunks lane, lane + STRIDE, ... (STRIDE 32: the warp covers the
 // row; 256 with lane = threadIdx.x: the block's 8 warps split it, each warp's sums still partial).
 // GX: x read from global memory in order (quantized only), not from the swizzled shared copy.
-template <typename T, int BITS, int GS, int K, int R, int STRIDE = 32, bool GX = false>
+// UNROLL: the chunk loop's unrolling (how many chunks of every row a lane has in flight).
+template <typename T, int BITS, int GS, int K, int R, int STRIDE = 32, bool GX = false, int UNROLL = 2>
 __device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, const T* sc, const T* bi,
                                             const int (&rows)[R], const T* xs, int lane, float (&out)[R]) {
   constexpr int PS = 16 / sizeof(T);
@@ -88,7 +89,7 @@ __device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, con
   for (int r = 0; r < R; r++) acc[r] = 0.f;
   if constexpr (BITS == 0) {
     constexpr int CH = K / PS;
-#pragma unroll 2
+#pragma unroll UNROLL
     for (int c = lane; c < CH; c += 32) {
       uint4 wv[R];
 #pragma unroll
@@ -108,7 +109,7 @@ __device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, con
     constexpr int CH = K / VALS;
     constexpr int NG = K / GS;
     constexpr int NP = VALS / PS;
-#pragma unroll 2
+#pragma unroll UNROLL
     for (int c = lane; c < CH; c += STRIDE) {
       uint4 wv[R];
       float s[R], b[R];
