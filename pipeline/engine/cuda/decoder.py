@@ -18,8 +18,9 @@ ATTN_CHUNK = 128  # keys per attention block (one thread per key)
 WARPS_PER_BLOCK = 8  # per GEMV block of 256 threads
 # A GEMV over at least this many inputs, staged as is ("copy") from quantized weights, splits each row over
 # its block's 8 warps (gemv.cu's body_split), SPLIT_UNITS rows a block: a long row (the down projection's)
-# otherwise leaves too few warps, each with too few loads in flight, to fill the GPU.
-SPLIT_MIN_IN = 4096
+# otherwise leaves too few warps, each with too few loads in flight, to fill the GPU. 3,584: the Qwen2.5-7B
+# shape's o projection splits too (H200, replayed step 302.4 / 308.1 -> 312.3 / 313.3 tok/s, docs/BENCHMARKS.md).
+SPLIT_MIN_IN = 3584
 SPLIT_UNITS = 2
 MAX_SMEM_BYTES = 48 * 1024  # static shared memory limit per block (CUDA)
 # Chunks of every row a lane has in flight (pl_rows_dot's UNROLL). 1 rather than 2: fewer registers, more
