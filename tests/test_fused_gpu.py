@@ -134,8 +134,9 @@ def compare_steps(model, prompt_len=37, steps=6, seed=0, make_caches=None, twin=
     dict(head_dim=96, num_attention_heads=2, num_key_value_heads=1),  # attention's fallback value loop
     dict(intermediate_size=4096),                                 # down: a row split over the block
     dict(intermediate_size=4096, bits=8, group_size=32),
+    dict(intermediate_size=SPLIT_MIN_IN),                         # the smallest input that splits
 ], ids=["llama-q4g64", "trad-q4g32", "q8", "dense", "bf16", "hd128", "qwen2", "llama3-rope", "hd96",
-        "split-q4", "split-q8"])
+        "split-q4", "split-q8", "split-min"])
 def test_fused_step_matches_the_model(case):
     model = make_model(**case)
     assert model_blocker(model) is None
