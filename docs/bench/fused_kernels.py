@@ -12,7 +12,8 @@ same settings (Llama-3.2-1B: 610 against 936 tok/s), so each shape's first engin
 ``--splits``, the o and down GEMVs and the replayed step for each way of splitting long rows (``set_split``).
 With ``--gemv``, every GEMV (and the q/k/v kernel) and the replayed step for each variant of the chunk loop's
 unrolling and the gate/up rows a warp (``set_gemv``: ``u2`` = ``GEMV_UNROLL`` 2; a trailing ``sN``: N gate/up
-row pairs a warp).
+row pairs a warp). With ``--profile N``, where a token's GPU time goes: N tokens of the step built token by
+token (``FusedDecoder.step`` and an argmax, each token read before the next), CUPTI's time per kernel.
 
 """
 
@@ -140,6 +141,36 @@ def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str, splits: 
     dec._attn_kernel = built
 
 
+def token_profile(model, prompt: list[int], tokens: int, shape: str):
+    """Rows of GPU time per kernel over ``tokens`` decode steps after 8 untimed ones (CUPTI; needs torch)."""
+    from pipeline.engine.cuda import decoder_for
+
+    dec, caches = decoder_for(model), model.make_cache()
+    mx.eval(model(mx.array(prompt)[None], caches))
+    dec.prepare(caches, len(prompt) + tokens + 16)
+    y, pos, at = mx.array([5], mx.uint32), mx.array([len(prompt)], mx.int32), len(prompt)
+
+    def run(n):
+        nonlocal y, pos, at
+        for _ in range(n):
+            y = mx.argmax(dec.step(y, pos, at, caches), axis=-1).astype(mx.uint32)
+            mx.eval(y)
+            pos, at = pos + 1, at + 1
+
+    run(8)
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        run(tokens)
+    total, calls = {}, {}
+    for e in p.events():
+        if e.device_type.name == "CUDA":
+            total[e.name] = total.get(e.name, 0.0) + e.device_time
+            calls[e.name] = calls.get(e.name, 0) + 1
+    yield {"shape": shape, "profile": "all", "gpu_us_per_token": round(sum(total.values()) / tokens, 1)}
+    for name in sorted(total, key=total.get, reverse=True):
+        yield {"shape": shape, "profile": name[:80], "calls_per_token": round(calls[name] / tokens, 2),
+               "us_per_call": round(total[name] / calls[name], 2), "us_per_token": round(total[name] / tokens, 1)}
+
+
 def step_rate(model, prompt: list[int], attn: str, replay: bool, trials: int) -> dict:
     engine = Engine(model, eos_token_ids=[], context_length=len(prompt) + 300, fused=True)
     engine.compile_fused = replay
@@ -168,6 +199,7 @@ def main():
                     "and down kernels, then the whole replayed step, of each")
     ap.add_argument("--gemv", default="", help="GEMV variants to compare (set_gemv), e.g. u1,u2,u1s4: "
                     "every GEMV kernel, then the whole replayed step, of each")
+    ap.add_argument("--profile", type=int, default=0, help="tokens of the per-kernel profile of the step (0: none)")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -192,6 +224,9 @@ def main():
             for row in kernels(engine.fused, engine.cache[0], args.context, args.calls, shape, splits, gemvs):
                 emit(row)
             del engine
+        if args.profile and torch is not None:
+            for row in token_profile(model, prompt, args.profile, shape):
+                emit(row)
         set_split(None)
         for attn in args.steps.split(",") if args.steps else ():
             for replay in (False, True) if args.replay else (False,):
