@@ -15,6 +15,12 @@ unrolling and the gate/up rows a warp (``set_gemv``: ``u2`` = ``GEMV_UNROLL`` 2;
 row pairs a warp). With ``--profile N``, where a token's GPU time goes: N tokens of the step built token by
 token (``FusedDecoder.step`` and an argmax, each token read before the next), CUPTI's time per kernel.
 
+Usage (from the repository root, on a CUDA machine)::
+
+    PYTHONPATH=. python docs/bench/fused_kernels.py --shapes qwen2.5-7b,llama-3.2-1b,smollm2-135m \
+        --context 560 --json /tmp/kernels.json
+
+Prints one JSON line per measurement.
 """
 
 from __future__ import annotations
