@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from pipeline.bench.shapes import _load_ours
 from pipeline.engine import Engine, GenerateParams
-from pipeline.engine.cuda import FusedDecoder
+from pipeline.engine.cuda import FusedDecoder, decoder_for
 from pipeline.engine.cuda import decoder as decoder_module
 from pipeline.engine.cuda.decoder import ATTN_CHUNK
 from pipeline.engine.cuda.sources import fill, float_literal, header
@@ -130,6 +130,7 @@ def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str, splits: 
         for name in ("o", "down"):
             prefix, fn = cases[name]
             yield {"shape": shape, "kernel": name, "split": split, "us": round(gpu_us(fn, calls, prefix), 2)}
+    set_split(None)  # the GEMV variants below are timed with the split as committed
     for variant in gemvs:
         set_gemv(variant)
         dec._kernels.clear()  # the gate/up rows a warp are not part of a kernel's key
@@ -149,8 +150,6 @@ def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str, splits: 
 
 def token_profile(model, prompt: list[int], tokens: int, shape: str):
     """Rows of GPU time per kernel over ``tokens`` decode steps after 8 untimed ones (CUPTI; needs torch)."""
-    from pipeline.engine.cuda import decoder_for
-
     dec, caches = decoder_for(model), model.make_cache()
     mx.eval(model(mx.array(prompt)[None], caches))
     dec.prepare(caches, len(prompt) + tokens + 16)

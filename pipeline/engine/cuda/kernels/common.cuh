@@ -79,8 +79,9 @@ __device__ __forceinline__ void pl_load_x(const T* x, const T* nw, float eps, T*
 // matching x values once for all R rows: chunks lane, lane + STRIDE, ... (STRIDE 32: the warp covers the
 // row; 256 with lane = threadIdx.x: the block's 8 warps split it, each warp's sums still partial).
 // GX: x read from global memory in order (quantized only), not from the swizzled shared copy.
-// UNROLL: the chunk loop's unrolling (how many chunks of every row a lane has in flight).
-template <typename T, int BITS, int GS, int K, int R, int STRIDE = 32, bool GX = false, int UNROLL = 2>
+// UNROLL: the chunk loop's unrolling (how many chunks of every row a lane has in flight; calls.cu passes
+// decoder.GEMV_UNROLL).
+template <typename T, int BITS, int GS, int K, int R, int STRIDE = 32, bool GX = false, int UNROLL = 1>
 __device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, const T* sc, const T* bi,
                                             const int (&rows)[R], const T* xs, int lane, float (&out)[R]) {
   constexpr int PS = 16 / sizeof(T);
