@@ -151,6 +151,43 @@ def test_fused_step_matches_the_model(case):
 
 
 @gpu
+@pytest.mark.parametrize("case", [dict(), dict(group_size=32), dict(group_size=128), dict(vocab_size=1000),
+                                  dict(intermediate_size=4096), dict(model_type="qwen2", tie_word_embeddings=False)],
+                         ids=["g64", "g32", "g128", "rows-not-16", "split-size", "qwen2"])
+def test_tensor_core_gemvs_match_the_model(case, monkeypatch):
+    """Every projection the tensor-core GEMV can take (swiglu, the o/down residuals, the vocab projection) run on it
+    (4-bit float16): the logits match the model's."""
+    from pipeline.engine.cuda import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "GEMV_MMA_MODES", ("swiglu", "residual", "norm"))
+    model = make_model(**case)
+    dec = decoder_for(model)
+    lay = dec.layers[0]
+    assert all(dec._mma_problem(p, m) is None for p, m in [(lay["gu"], "swiglu"), (lay["o"], "residual"),
+                                                           (lay["down"], "residual"), (dec.head, "norm")])
+    worst, mismatches = compare_steps(model, steps=4)
+    assert worst < 5e-3, worst
+    assert mismatches == 0
+
+
+@gpu
+@pytest.mark.parametrize("case", [dict(), dict(intermediate_size=4096), dict(model_type="qwen2", tie_word_embeddings=False)],
+                         ids=["llama", "split", "qwen2"])
+def test_a_capped_gemv_grid_loops_over_every_row(case, monkeypatch):
+    """Every GEMV launched as ONE block (GEMV_BLOCKS_PER_SM 1 on "1 SM"): each warp (or the split kernel's
+    block) loops over many row groups, and the logits still match the model."""
+    from pipeline.engine.cuda import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "sm_count", lambda: 1)
+    monkeypatch.setattr(decoder_module, "GEMV_BLOCKS_PER_SM", 1)
+    assert decoder_module.gemv_blocks(64) == 1
+    model = make_model(**case)
+    worst, mismatches = compare_steps(model, steps=3)
+    assert worst < 5e-3, worst
+    assert mismatches == 0
+
+
+@gpu
 @pytest.mark.parametrize("prompt_len", [1, 127, 128, 129, 300, 700])
 def test_attention_splits_and_chunk_edges(prompt_len):
     """Contexts of one to several 128-key chunks (the split path and its combine)."""

@@ -6,6 +6,8 @@ The step's design: ``pipeline.engine.cuda``'s docstring. The kernels' CUDA text:
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from typing import ClassVar
 
 import mlx.core as mx
@@ -26,6 +28,38 @@ MAX_SMEM_BYTES = 48 * 1024  # static shared memory limit per block (CUDA)
 # Chunks of every row a lane has in flight (pl_rows_dot's UNROLL). 1 rather than 2: fewer registers, more
 # warps an SM; Qwen2.5-7B shape on an H200, replayed step 277.8 -> 304.4 tok/s (docs/BENCHMARKS.md, 2026-12-03).
 GEMV_UNROLL = 1
+# The q/k/v kernel's unrolling: its grid is small (a warp per rotation pair: 2,304 warps for the Qwen2.5-7B shape),
+# so each warp needs more loads in flight than a large GEMV's.
+QKV_UNROLL = 1
+# A GEMV's grid is capped at this many blocks per SM (its warps then loop over the row groups: gemv.cu), None: one
+# warp per row group. Fewer blocks stage x fewer times and leave no partial last wave.
+GEMV_BLOCKS_PER_SM: int | None = None
+# GEMV modes run on tensor cores where the weights allow (4-bit, float16: gemv.cu's body_mma), and the quantization
+# groups each warp of such a kernel loads before it uses the first.
+GEMV_MMA_MODES: tuple[str, ...] = ()
+MMA_GROUPS_IN_FLIGHT = 4
+
+
+@functools.cache
+def sm_count() -> int | None:
+    """Streaming multiprocessors of CUDA device 0 (the driver's ``cuDeviceGetAttribute``), or None where the
+    driver library cannot be read."""
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, n = ctypes.c_int(), ctypes.c_int()
+    # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16 (cuda.h)
+    if cu.cuInit(0) or cu.cuDeviceGet(ctypes.byref(dev), 0) or cu.cuDeviceGetAttribute(ctypes.byref(n), 16, dev):
+        return None
+    return n.value
+
+
+def gemv_blocks(needed: int) -> int:
+    """Blocks of a GEMV launch that has ``needed`` blocks' worth of row groups: capped by
+    ``GEMV_BLOCKS_PER_SM`` times the SM count (the kernels loop over the rest)."""
+    sms = sm_count() if GEMV_BLOCKS_PER_SM else None
+    return min(needed, GEMV_BLOCKS_PER_SM * sms) if sms else needed
 
 
 def units_per_warp(rows: int, mode: str) -> int:
@@ -76,16 +110,19 @@ class Proj:
         """Input values one lane's 16-byte weight load covers."""
         return 128 // self.bits if self.bits else 16 // dtype.size
 
-    def rows_dot(self, r: int, prefix: str = "", acc: str = "acc", split: bool = False) -> str:
+    def rows_dot(self, r: int, prefix: str = "", acc: str = "acc", split: bool = False,
+                 unroll: int | None = None) -> str:
         """CUDA statement: the warp's dot products of rows ``rows[0..r)`` with ``xs`` into ``acc``
-        (``split``: the block's share of them with ``x`` in global memory, ``calls.cu``'s rows_dot_split)."""
+        (``split``: the block's share of them with ``x`` in global memory, ``calls.cu``'s rows_dot_split),
+        its chunk loop unrolled ``unroll`` times (None: ``GEMV_UNROLL``)."""
         names = self.names(prefix)
+        unroll = GEMV_UNROLL if unroll is None else unroll
         if self.bits:
             w, s, b = names
             return fill("calls.cu", "rows_dot_split" if split else "rows_dot_quantized", bits=self.bits,
                         group_size=self.group_size, in_dim=self.in_dim, rows=r, w=w, s=s, b=b, acc=acc,
-                        unroll=GEMV_UNROLL)
-        return fill("calls.cu", "rows_dot_dense", in_dim=self.in_dim, rows=r, w=names[0], acc=acc, unroll=GEMV_UNROLL)
+                        unroll=unroll)
+        return fill("calls.cu", "rows_dot_dense", in_dim=self.in_dim, rows=r, w=names[0], acc=acc, unroll=unroll)
 
 
 def projs_problem(groups: list[list[Proj]], what: str) -> str | None:
@@ -240,13 +277,14 @@ class FusedDecoder:
             bias = [fill("qkv.cu", "bias", y=f"y{i}", row=f"r{i}") if has_bias else "" for i in (0, 1)]
             src = fill("qkv.cu", "body", hidden=self.hidden, head_dim=D, n_heads=H, n_kv_heads=KVH, window=win,
                        vals=qkv.vals(self.dtype), eps=float_literal(self.eps), pairs=pairs, traditional=int(trad),
-                       rows_dot=qkv.rows_dot(2), bias0=bias[0], bias1=bias[1], pos_scale=float_literal(pscale))
+                       rows_dot=qkv.rows_dot(2, unroll=QKV_UNROLL), bias0=bias[0], bias1=bias[1],
+                       pos_scale=float_literal(pscale))
             names = ["x", "nw", *qkv.names(), *(["bias"] if has_bias else []), "inv_freq", "pos", "kc", "vc"]
             return mx.fast.cuda_kernel(name="pl_qkv", input_names=names, output_names=["q"], source=src,
                                        header=header()), pairs
 
         return self._kernel(("qkv", qkv.bits, qkv.group_size, qkv.in_dim, qkv.out_dim, trad, pscale, has_bias, win,
-                             GEMV_UNROLL), make)
+                             QKV_UNROLL), make)
 
     def _qkv_norm_kernel(self, lay: dict, res: bool, win: int):
         """``kernels/qkv_norm.cu``: the q/k/v step of a layer with per-head q/k RMSNorms (Gemma 3, Qwen 3), one
@@ -335,8 +373,11 @@ class FusedDecoder:
     def _gemv_kernel(self, proj: Proj, mode: str, proj2: Proj | None = None):
         """``kernels/gemv.cu`` for ``mode`` and these weights, its number of warps and its output rows."""
         pre, post = self.GEMV_MODES[mode]
+        mma = self._mma_problem(proj, mode) is None
 
         def make():
+            if mma:
+                return self._gemv_mma_kernel(proj, mode)
             pair = post in ("swiglu", "geglu")
             n_out = proj.out_dim // 2 if post == "swiglu" else proj.out_dim
             split = pre == "copy" and bool(proj.bits) and proj.in_dim >= SPLIT_MIN_IN  # "copy": plain or residual
@@ -362,7 +403,36 @@ class FusedDecoder:
                                        header=header()), warps, n_out
 
         sig = lambda p: None if p is None else (p.bits, p.group_size, p.in_dim, p.out_dim)  # noqa: E731
-        return self._kernel(("gemv", mode, sig(proj), sig(proj2), SPLIT_MIN_IN, SPLIT_UNITS, GEMV_UNROLL), make)
+        return self._kernel(("gemv", mode, sig(proj), sig(proj2), SPLIT_MIN_IN, SPLIT_UNITS, GEMV_UNROLL, mma,
+                             MMA_GROUPS_IN_FLIGHT), make)
+
+    def _mma_problem(self, proj: Proj, mode: str) -> str | None:
+        """Why mode ``mode`` of ``proj`` does not run on tensor cores (``_gemv_mma_kernel``), or None."""
+        pre, post = self.GEMV_MODES[mode]
+        if mode not in GEMV_MMA_MODES:
+            return f"mode {mode} not in GEMV_MMA_MODES"
+        if proj.bits != 4 or self.dtype != mx.float16:
+            return "not 4-bit weights in float16"
+        if pre not in ("copy", "norm") or post not in ("swiglu", "plain", "residual"):
+            return f"mode {mode}"
+        if proj.group_size not in (32, 64, 128):
+            return f"group size {proj.group_size}"
+        return None
+
+    def _gemv_mma_kernel(self, proj: Proj, mode: str):
+        """``kernels/gemv.cu``'s body_mma for ``mode`` (see ``_mma_problem``): the kernel, its warps (8 a block of
+        16 rows, or 8 swiglu row pairs) and its output rows."""
+        pre, post = self.GEMV_MODES[mode]
+        pair = post == "swiglu"
+        n_out = proj.out_dim // 2 if pair else proj.out_dim
+        src = fill("gemv.cu", "body_mma", in_dim=proj.in_dim, n_out=n_out, group_size=proj.group_size,
+                   pair=int(pair), norm=str(pre == "norm").lower(), weight="nw" if pre == "norm" else "x",
+                   eps=float_literal(self.eps), groups_in_flight=MMA_GROUPS_IN_FLIGHT,
+                   store=fill("gemv.cu", f"store_{post}"))
+        names = [*self.PROLOGUE_INPUTS[pre], *proj.names(), *(["r"] if post == "residual" else [])]
+        kern = mx.fast.cuda_kernel(name=f"pl_gemv_{mode}_mma", input_names=names, output_names=["out"], source=src,
+                                   header=header())
+        return kern, -(-n_out // (8 if pair else 16)) * WARPS_PER_BLOCK, n_out
 
     def _embed_kernel(self):
         """``kernels/embed.cu`` for the embedding's layout (and Gemma's scale)."""
@@ -455,4 +525,5 @@ class FusedDecoder:
         """Launch a GEMV kernel (``GEMV_MODES``): its output ``(rows,)``, and for prologue "res" also
         the new residual stream ``(hidden,)``."""
         kern, warps, n_out = self._gemv_kernel(proj, mode, proj2)
-        return self._launch(kern, inputs, -(-warps // WARPS_PER_BLOCK), n_out, self.GEMV_MODES[mode][0] == "res")
+        return self._launch(kern, inputs, gemv_blocks(-(-warps // WARPS_PER_BLOCK)), n_out,
+                            self.GEMV_MODES[mode][0] == "res")

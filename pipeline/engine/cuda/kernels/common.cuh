@@ -209,3 +209,125 @@ __device__ __forceinline__ T pl_gelu_approx(float x) {
   const T t6 = static_cast<T>(0.5f * x);
   return static_cast<T>(static_cast<float>(t6) * static_cast<float>(t5));
 }
+
+// ---- Tensor-core GEMV of 4-bit weights (float16): pl_load_x_mma, pl_mma_rows (gemv.cu's body_mma) ----
+// A warp computes 16 rows against x with mma.sync m16n8k16 (f16 inputs, f32 accumulation), x in column 0 of the
+// 16x8 B tile (columns 1-7 zero). Lane (g = lane / 4, c = lane % 4) holds rows r0 (tile row g) and r1 (tile row
+// g + 8); in group G (GS values) it reads GS / 32 words of each row, values G * GS + c * GS / 4 ... + GS / 4 - 1.
+// A word's 8 values (q0 .. q7, low bits first) become the half2 pairs (q0, q4), (q1, q5), (q2, q6), (q3, q7) with
+// one logic op and one exact float16 op each ((w & 0x000F000F) | 0x64006400 is the pair 1024 + q; the next nibble
+// masked in place is 1024 + 16 q); the tile's k order is that pair order, so x is staged in the same order
+// (pl_mma_slot). The products q * x are exact in the f32 accumulator; each group's sum is then scaled as in
+// pl_rows_dot: s * sum(q x) + b * sum(x) (sum(x) per group staged in shared memory).
+
+// Shared-memory slot of x[k]: within each 8 values, the order x0 x4 x1 x5 x2 x6 x3 x7 of the half2 pairs.
+__device__ __forceinline__ int pl_mma_slot(int k) {
+  const int o = k & 7;
+  return (k & ~7) | (4 * ((o & 3) >> 1) + 2 * (o & 1) + (o >> 2));
+}
+
+// x (or RMSNorm(x, nw), rounded as pl_load_x) into xs in pl_mma_slot order, and sum(x) of each group into sxs.
+template <typename T, int K, int NT, bool NORM, int GS>
+__device__ __forceinline__ void pl_load_x_mma(const T* x, const T* nw, float eps, T* xs, float* sxs, float* red) {
+  float r = 1.f;
+  if (NORM) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < K; i += NT) {
+      float v = static_cast<float>(x[i]);
+      ss += v * v;
+    }
+    r = rsqrtf(pl_block_sum<NT>(ss, red) / K + eps);
+  }
+  for (int i = threadIdx.x; i < K; i += NT) {
+    T y = x[i];
+    if (NORM) y = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(static_cast<T>(static_cast<float>(y) * r)));
+    xs[pl_mma_slot(i)] = y;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  for (int g = threadIdx.x >> 5; g < K / GS; g += NT / 32) {
+    float v = 0.f;
+    for (int k = lane; k < GS; k += 32) v += static_cast<float>(xs[g * GS + k]);
+    v = pl_warp_sum(v);
+    if (lane == 0) sxs[g] = v;
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ uint32_t pl_q4_lo(uint32_t w) {  // (q0, q4) of w as exact float16 values
+  const uint32_t h = (w & 0x000F000Fu) | 0x64006400u;
+  const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&h), __half2half2(__ushort_as_half(0x6400)));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t pl_q4_hi(uint32_t w) {  // (q1, q5) of w: (1024 + 16 q) / 16 - 64
+  const uint32_t h = (w & 0x00F000F0u) | 0x64006400u;
+  const __half2 v = __hfma2(*reinterpret_cast<const __half2*>(&h), __half2half2(__ushort_as_half(0x2C00)),
+                            __half2half2(__ushort_as_half(0xD400)));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void pl_mma_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// N consecutive words (1, 2 or 4; aligned to 4 N bytes) in one load.
+template <int N>
+__device__ __forceinline__ void pl_load_words(const uint32_t* p, uint32_t (&q)[N]) {
+  if constexpr (N == 4) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    q[0] = v.x, q[1] = v.y, q[2] = v.z, q[3] = v.w;
+  } else if constexpr (N == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    q[0] = v.x, q[1] = v.y;
+  } else {
+    q[0] = p[0];
+  }
+}
+
+// Rows r0 and r1 (see above) dotted with the staged x over the groups G = warp, warp + W, ... (W warps split
+// the row), UG groups' words loaded before any is used. o0 / o1: the sums of rows r0 / r1 in lanes c == 0.
+template <typename T, int GS, int K, int W, int UG>
+__device__ __forceinline__ void pl_mma_rows(const uint32_t* wq, const T* sc, const T* bi, int r0, int r1,
+                                            const T* xs, const float* sxs, int warp, int lane, float& o0,
+                                            float& o1) {
+  constexpr int NG = K / GS, WPT = GS / 32, WPR = K / 8;
+  const int c = lane & 3;
+  const uint32_t* w0 = wq + (size_t)r0 * WPR + c * WPT;
+  const uint32_t* w1 = wq + (size_t)r1 * WPR + c * WPT;
+  float acc0 = 0.f, acc1 = 0.f;
+  for (int G0 = warp; G0 < NG; G0 += W * UG) {
+    uint32_t q0[UG][WPT], q1[UG][WPT];
+#pragma unroll
+    for (int i = 0; i < UG; i++) {
+      const int G = G0 + W * i;
+      if (G < NG) {
+        pl_load_words<WPT>(w0 + G * (GS / 8), q0[i]);
+        pl_load_words<WPT>(w1 + G * (GS / 8), q1[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < UG; i++) {
+      const int G = G0 + W * i;
+      if (G >= NG) break;
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      const T* xg = xs + G * GS + c * (GS / 4);
+#pragma unroll
+      for (int j = 0; j < WPT; j++) {
+        uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+        if (lane < 4) xv = *reinterpret_cast<const uint4*>(xg + 8 * j);
+        const uint32_t a = q0[i][j], b = q1[i][j], a8 = a >> 8, b8 = b >> 8;
+        pl_mma_f16(d, pl_q4_lo(a), pl_q4_lo(b), pl_q4_hi(a), pl_q4_hi(b), xv.x, xv.y);
+        pl_mma_f16(d, pl_q4_lo(a8), pl_q4_lo(b8), pl_q4_hi(a8), pl_q4_hi(b8), xv.z, xv.w);
+      }
+      const float sx = sxs[G];
+      acc0 += static_cast<float>(sc[(size_t)r0 * NG + G]) * d[0] + static_cast<float>(bi[(size_t)r0 * NG + G]) * sx;
+      acc1 += static_cast<float>(sc[(size_t)r1 * NG + G]) * d[2] + static_cast<float>(bi[(size_t)r1 * NG + G]) * sx;
+    }
+  }
+  o0 = acc0;
+  o1 = acc1;
+}

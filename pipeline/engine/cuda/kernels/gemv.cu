@@ -3,6 +3,9 @@
 // stores the rows. Filled in by FusedDecoder._gemv_kernel (pipeline/engine/cuda/decoder.py), whose
 // GEMV_MODES name the prologue and epilogue of each mode. MLX's rounding to T after each op.
 //
+// body_mma: the same with tensor cores (4-bit weights, float16; common.cuh's pl_mma_rows): a block of 8 warps
+// computes 16 rows (swiglu: 8 row pairs), each warp every 8th quantization group of them.
+//
 // body_split: the same for a long input (prologue "copy", quantized weights): the block's 8 warps split
 // every row of its $units, x read from global memory (no staging); the warps' sums added in shared memory.
 //
@@ -38,45 +41,90 @@ float acc2[$n_rows];
   __shared__ float red[32];
   $prologue
   const int lane = threadIdx.x & 31;
-  const int u0 = (blockIdx.x * (NT / 32) + (threadIdx.x >> 5)) * U;
-  if (u0 >= N) return;
-  int rows[$n_rows];
-  float acc[$n_rows];
+  // Warp-stride loop over the groups of U units: a grid smaller than N / U warps (FusedDecoder._blocks) stages
+  // x once for several groups and leaves no partial last wave.
+  for (int g = blockIdx.x * (NT / 32) + (threadIdx.x >> 5); g * U < N; g += gridDim.x * (NT / 32)) {
+    const int u0 = g * U;
+    int rows[$n_rows];
+    float acc[$n_rows];
 #pragma unroll
-  for (int u = 0; u < U; u++) { $row_index }
-  $dots
-  if (lane != 0) return;
+    for (int u = 0; u < U; u++) { $row_index }
+    $dots
+    if (lane == 0) {
 #pragma unroll
-  for (int u = 0; u < U; u++) {
-    if (u0 + u >= N) break;
+      for (int u = 0; u < U; u++) {
+        if (u0 + u >= N) break;
 $store
+      }
+    }
   }
 //@ body_split
 
   constexpr int K = $in_dim, NT = 256, N = $n_out, U = $units;
   __shared__ float part[NT / 32][$n_rows];
   const int lane = threadIdx.x & 31;
-  const int u0 = blockIdx.x * U;
-  int rows[$n_rows];
-  float acc[$n_rows];
+  // Block-stride loop over the groups of U units (uniform over the block: the barrier below is reached by all).
+  for (int g = blockIdx.x; g * U < N; g += gridDim.x) {
+    const int u0 = g * U;
+    int rows[$n_rows];
+    float acc[$n_rows];
 #pragma unroll
-  for (int u = 0; u < U; u++) { $row_index }
-  $dots
-  if (lane == 0) {
+    for (int u = 0; u < U; u++) { $row_index }
+    $dots
+    if (lane == 0) {
 #pragma unroll
-    for (int u = 0; u < $n_rows; u++) part[threadIdx.x >> 5][u] = acc[u];
-  }
-  __syncthreads();
-  if (threadIdx.x != 0) return;
+      for (int u = 0; u < $n_rows; u++) part[threadIdx.x >> 5][u] = acc[u];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
 #pragma unroll
-  for (int u = 0; u < $n_rows; u++) {
-    float t = 0.f;
+      for (int u = 0; u < $n_rows; u++) {
+        float t = 0.f;
 #pragma unroll
-    for (int w = 0; w < NT / 32; w++) t += part[w][u];
-    acc[u] = t;
-  }
+        for (int w = 0; w < NT / 32; w++) t += part[w][u];
+        acc[u] = t;
+      }
 #pragma unroll
-  for (int u = 0; u < U; u++) {
-    if (u0 + u >= N) break;
+      for (int u = 0; u < U; u++) {
+        if (u0 + u >= N) break;
 $store
+      }
+    }
+    __syncthreads();
+  }
+//@ body_mma
+
+  constexpr int K = $in_dim, NT = 256, N = $n_out, GS = $group_size, PAIR = $pair;
+  constexpr int UT = PAIR ? 8 : 16;  // units a tile: 16 rows (swiglu: 8 gate rows and their 8 up rows)
+  __shared__ __align__(16) T xs[K];
+  __shared__ float sxs[K / GS];
+  __shared__ float red[32];
+  __shared__ float part[NT / 32][16];
+  pl_load_x_mma<T, K, NT, $norm, GS>(x, $weight, $eps, xs, sxs, red);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+  for (int tile = blockIdx.x; tile * UT < N; tile += gridDim.x) {  // uniform over the block
+    const int ub = tile * UT;
+    const int r0 = min(ub + g, N - 1);
+    const int r1 = PAIR ? r0 + N : min(ub + g + 8, N - 1);
+    float s0, s1;
+    pl_mma_rows<T, GS, K, NT / 32, $groups_in_flight>(w, s, b, r0, r1, xs, sxs, warp, lane, s0, s1);
+    if ((lane & 3) == 0) {
+      part[warp][g] = s0;
+      part[warp][g + 8] = s1;
+    }
+    __syncthreads();
+    if (threadIdx.x < UT) {
+      float t0 = 0.f, t1 = 0.f;
+#pragma unroll
+      for (int v = 0; v < NT / 32; v++) {
+        t0 += part[v][threadIdx.x];
+        if (PAIR) t1 += part[v][threadIdx.x + 8];
+      }
+      const int u0 = ub + threadIdx.x, u = 0;
+      if (u0 < N) {
+        float acc[2] = {t0, t1};
+$store
+      }
+    }
+    __syncthreads();
   }
