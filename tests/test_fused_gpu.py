@@ -171,11 +171,12 @@ def test_tensor_core_gemvs_match_the_model(case, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("case", [dict(), dict(intermediate_size=4096), dict(model_type="qwen2", tie_word_embeddings=False)],
-                         ids=["llama", "split", "qwen2"])
+@pytest.mark.parametrize("case", [dict(), dict(intermediate_size=4096),
+                                  dict(model_type="qwen2", tie_word_embeddings=False)], ids=["llama", "split", "qwen2"])
 def test_a_capped_gemv_grid_loops_over_every_row(case, monkeypatch):
-    """Every GEMV launched as ONE block (GEMV_BLOCKS_PER_SM 1 on "1 SM"): each warp (or the split kernel's
-    block) loops over many row groups, and the logits still match the model."""
+    """Every warp-per-row GEMV launched as ONE block (GEMV_BLOCKS_PER_SM 1 on "1 SM"; the tensor-core gate/up
+    kernel as MMA_BLOCKS_PER_SM blocks): each warp (or block) loops over many row groups, and the logits still
+    match the model."""
     from pipeline.engine.cuda import decoder as decoder_module
 
     monkeypatch.setattr(decoder_module, "sm_count", lambda: 1)

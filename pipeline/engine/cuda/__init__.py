@@ -17,7 +17,9 @@ package runs a decoder layer as five custom kernels (``mx.fast.cuda_kernel``) in
 plus one kernel for the token's embedding row and one for the final norm + vocab projection
 (``Gemma3Decoder`` fits Gemma 3's layer into the same five, ``Qwen3Decoder`` Qwen 3's per-head q/k
 norms into the first: see their docstrings). Every
-projection is a warp-per-row GEMV over MLX's affine-quantized layout (``w`` uint32 words holding
+projection is a warp-per-row GEMV (the gate/up projection of 4-bit float16 weights: a tensor-core GEMV,
+``mma.sync`` with exact q * x products, ``kernels/gemv.cu``'s body_mma) over MLX's affine-quantized layout
+(``w`` uint32 words holding
 ``32 / bits`` values, low bits first; ``value = scale * q + bias`` per ``group_size`` values; see
 ``mx.quantize``) or over dense weights, accumulating in float32 and rounding to the compute dtype
 where MLX's own ops round (after each projection, the norm, SiLU, the residual add), so results match

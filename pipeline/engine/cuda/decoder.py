@@ -28,16 +28,23 @@ MAX_SMEM_BYTES = 48 * 1024  # static shared memory limit per block (CUDA)
 # Chunks of every row a lane has in flight (pl_rows_dot's UNROLL). 1 rather than 2: fewer registers, more
 # warps an SM; Qwen2.5-7B shape on an H200, replayed step 277.8 -> 304.4 tok/s (docs/BENCHMARKS.md, 2026-12-03).
 GEMV_UNROLL = 1
-# The q/k/v kernel's unrolling: its grid is small (a warp per rotation pair: 2,304 warps for the Qwen2.5-7B shape),
-# so each warp needs more loads in flight than a large GEMV's.
+# The q/k/v kernel's unrolling (its grid is small: a warp per rotation pair, 2,304 warps for the Qwen2.5-7B shape).
+# 1: 2 and 4 measured slower (H200, replayed 7B step 305.6 -> 302.0 / 297.5 tok/s).
 QKV_UNROLL = 1
 # A GEMV's grid is capped at this many blocks per SM (its warps then loop over the row groups: gemv.cu), None: one
-# warp per row group. Fewer blocks stage x fewer times and leave no partial last wave.
+# warp per row group. None: capped at 2, 4 or 8 the warp-per-row kernels measured slower or no faster (Qwen2.5-7B
+# shape, H200, replayed step 305.6 uncapped, 258.5 / 295.3 / 308.8 capped).
 GEMV_BLOCKS_PER_SM: int | None = None
 # GEMV modes run on tensor cores where the weights allow (4-bit, float16: gemv.cu's body_mma), and the quantization
-# groups each warp of such a kernel loads before it uses the first.
-GEMV_MMA_MODES: tuple[str, ...] = ()
+# groups each warp of such a kernel loads before it uses the first. The warp-per-row gate/up kernel issued an
+# instruction in 70% of its cycles (Nsight Compute, Qwen2.5-7B shape: ~7.5 instructions a 4-bit value, 80 registers);
+# on tensor cores ~2.3. Gate/up only: replayed 7B step 305.8 / 311.1 -> 330.4 / 333.1 tok/s (H200, docs/BENCHMARKS.md);
+# the o/down (224 blocks of 16 rows: too few) and vocab projections measured slower or no faster there.
+GEMV_MMA_MODES: tuple[str, ...] = ("swiglu",)
 MMA_GROUPS_IN_FLIGHT = 4
+# The tensor-core GEMV's grid cap (blocks a SM): its blocks stage x for 16 rows only, so uncapped the staging
+# outweighs the rows (Qwen2.5-7B shape, H200: gate/up 57.7 us uncapped, 45.9 at 4 a SM, 49.4 at 8, 68.3 at 2).
+MMA_BLOCKS_PER_SM = 4
 
 
 @functools.cache
@@ -55,11 +62,12 @@ def sm_count() -> int | None:
     return n.value
 
 
-def gemv_blocks(needed: int) -> int:
-    """Blocks of a GEMV launch that has ``needed`` blocks' worth of row groups: capped by
-    ``GEMV_BLOCKS_PER_SM`` times the SM count (the kernels loop over the rest)."""
-    sms = sm_count() if GEMV_BLOCKS_PER_SM else None
-    return min(needed, GEMV_BLOCKS_PER_SM * sms) if sms else needed
+def gemv_blocks(needed: int, per_sm: int | None = None) -> int:
+    """Blocks of a GEMV launch that has ``needed`` blocks' worth of row groups: capped at ``per_sm`` (None:
+    ``GEMV_BLOCKS_PER_SM``) times the SM count (the kernels loop over the rest)."""
+    per_sm = GEMV_BLOCKS_PER_SM if per_sm is None else per_sm
+    sms = sm_count() if per_sm else None
+    return min(needed, per_sm * sms) if sms else needed
 
 
 def units_per_warp(rows: int, mode: str) -> int:
@@ -371,7 +379,8 @@ class FusedDecoder:
                     write=str(write).lower(), eps=eps, hout="hout" if write else "(T*)nullptr")
 
     def _gemv_kernel(self, proj: Proj, mode: str, proj2: Proj | None = None):
-        """``kernels/gemv.cu`` for ``mode`` and these weights, its number of warps and its output rows."""
+        """``kernels/gemv.cu`` for ``mode`` and these weights: ``(kernel, its warps, its output rows, whether it runs on
+        tensor cores)``."""
         pre, post = self.GEMV_MODES[mode]
         mma = self._mma_problem(proj, mode) is None
 
@@ -400,7 +409,7 @@ class FusedDecoder:
             warps = -(-n_out // units) * (WARPS_PER_BLOCK if split else 1)
             name = f"pl_gemv_{mode}" + ("_split" if split else "")
             return mx.fast.cuda_kernel(name=name, input_names=names, output_names=outs, source=src,
-                                       header=header()), warps, n_out
+                                       header=header()), warps, n_out, False
 
         sig = lambda p: None if p is None else (p.bits, p.group_size, p.in_dim, p.out_dim)  # noqa: E731
         return self._kernel(("gemv", mode, sig(proj), sig(proj2), SPLIT_MIN_IN, SPLIT_UNITS, GEMV_UNROLL, mma,
@@ -421,7 +430,7 @@ class FusedDecoder:
 
     def _gemv_mma_kernel(self, proj: Proj, mode: str):
         """``kernels/gemv.cu``'s body_mma for ``mode`` (see ``_mma_problem``): the kernel, its warps (8 a block of
-        16 rows, or 8 swiglu row pairs) and its output rows."""
+        16 rows, or 8 swiglu row pairs), its output rows and True (``_gemv_kernel``'s tuple)."""
         pre, post = self.GEMV_MODES[mode]
         pair = post == "swiglu"
         n_out = proj.out_dim // 2 if pair else proj.out_dim
@@ -432,7 +441,7 @@ class FusedDecoder:
         names = [*self.PROLOGUE_INPUTS[pre], *proj.names(), *(["r"] if post == "residual" else [])]
         kern = mx.fast.cuda_kernel(name=f"pl_gemv_{mode}_mma", input_names=names, output_names=["out"], source=src,
                                    header=header())
-        return kern, -(-n_out // (8 if pair else 16)) * WARPS_PER_BLOCK, n_out
+        return kern, -(-n_out // (8 if pair else 16)) * WARPS_PER_BLOCK, n_out, True
 
     def _embed_kernel(self):
         """``kernels/embed.cu`` for the embedding's layout (and Gemma's scale)."""
@@ -524,6 +533,6 @@ class FusedDecoder:
     def _gemv(self, proj: Proj, mode: str, inputs: list, proj2: Proj | None = None):
         """Launch a GEMV kernel (``GEMV_MODES``): its output ``(rows,)``, and for prologue "res" also
         the new residual stream ``(hidden,)``."""
-        kern, warps, n_out = self._gemv_kernel(proj, mode, proj2)
-        return self._launch(kern, inputs, gemv_blocks(-(-warps // WARPS_PER_BLOCK)), n_out,
-                            self.GEMV_MODES[mode][0] == "res")
+        kern, warps, n_out, mma = self._gemv_kernel(proj, mode, proj2)
+        blocks = gemv_blocks(-(-warps // WARPS_PER_BLOCK), MMA_BLOCKS_PER_SM if mma else None)
+        return self._launch(kern, inputs, blocks, n_out, self.GEMV_MODES[mode][0] == "res")

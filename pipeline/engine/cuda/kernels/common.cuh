@@ -240,7 +240,10 @@ __device__ __forceinline__ void pl_load_x_mma(const T* x, const T* nw, float eps
   }
   for (int i = threadIdx.x; i < K; i += NT) {
     T y = x[i];
-    if (NORM) y = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(static_cast<T>(static_cast<float>(y) * r)));
+    if (NORM) {
+      const T n = static_cast<T>(static_cast<float>(y) * r);
+      y = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(n));
+    }
     xs[pl_mma_slot(i)] = y;
   }
   __syncthreads();

@@ -41,7 +41,7 @@ float acc2[$n_rows];
   __shared__ float red[32];
   $prologue
   const int lane = threadIdx.x & 31;
-  // Warp-stride loop over the groups of U units: a grid smaller than N / U warps (FusedDecoder._blocks) stages
+  // Warp-stride loop over the groups of U units: a grid smaller than N / U warps (decoder.gemv_blocks) stages
   // x once for several groups and leaves no partial last wave.
   for (int g = blockIdx.x * (NT / 32) + (threadIdx.x >> 5); g * U < N; g += gridDim.x * (NT / 32)) {
     const int u0 = g * U;
