@@ -44,7 +44,8 @@ GEMV_MMA_MODES: tuple[str, ...] = ("swiglu",)
 MMA_GROUPS_IN_FLIGHT = 4
 # The tensor-core GEMV's grid cap (blocks a SM): its blocks stage x for 16 rows only, so uncapped the staging
 # outweighs the rows (Qwen2.5-7B shape, H200: gate/up 57.7 us uncapped, 45.9 at 4 a SM, 49.4 at 8, 68.3 at 2).
-MMA_BLOCKS_PER_SM = 4
+# None: uncapped.
+MMA_BLOCKS_PER_SM: int | None = 4
 
 
 @functools.cache
@@ -64,7 +65,7 @@ def sm_count() -> int | None:
 
 def gemv_blocks(needed: int, per_sm: int | None = None) -> int:
     """Blocks of a GEMV launch that has ``needed`` blocks' worth of row groups: capped at ``per_sm`` (None:
-    ``GEMV_BLOCKS_PER_SM``) times the SM count (the kernels loop over the rest)."""
+    ``GEMV_BLOCKS_PER_SM``; 0: no cap) times the SM count (the kernels loop over the rest)."""
     per_sm = GEMV_BLOCKS_PER_SM if per_sm is None else per_sm
     sms = sm_count() if per_sm else None
     return min(needed, per_sm * sms) if sms else needed
@@ -534,5 +535,5 @@ class FusedDecoder:
         """Launch a GEMV kernel (``GEMV_MODES``): its output ``(rows,)``, and for prologue "res" also
         the new residual stream ``(hidden,)``."""
         kern, warps, n_out, mma = self._gemv_kernel(proj, mode, proj2)
-        blocks = gemv_blocks(-(-warps // WARPS_PER_BLOCK), MMA_BLOCKS_PER_SM if mma else None)
+        blocks = gemv_blocks(-(-warps // WARPS_PER_BLOCK), (MMA_BLOCKS_PER_SM or 0) if mma else None)
         return self._launch(kern, inputs, blocks, n_out, self.GEMV_MODES[mode][0] == "res")
