@@ -181,7 +181,7 @@ def test_a_capped_gemv_grid_loops_over_every_row(case, monkeypatch):
 
     monkeypatch.setattr(decoder_module, "sm_count", lambda: 1)
     monkeypatch.setattr(decoder_module, "GEMV_BLOCKS_PER_SM", 1)
-    assert decoder_module.gemv_blocks(64) == 1
+    assert decoder_module.gemv_blocks(64, decoder_module.GEMV_BLOCKS_PER_SM) == 1
     model = make_model(**case)
     worst, mismatches = compare_steps(model, steps=3)
     assert worst < 5e-3, worst

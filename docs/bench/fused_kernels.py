@@ -11,11 +11,12 @@ tokens, median of 3 after a warm-up) for each attention variant in ``--steps``, 
 same settings (Llama-3.2-1B: 610 against 936 tok/s), so each shape's first engine is run once untimed. With
 ``--splits``, the o and down GEMVs and the replayed step for each way of splitting long rows (``set_split``).
 With ``--gemv``, every GEMV (and the q/k/v kernel) and the replayed step for each variant of the chunk loop's
-unrolling, the gate/up rows a warp, the grid cap, the q/k/v kernel's unrolling and the tensor-core GEMV
-(``set_gemv``: ``u2`` = ``GEMV_UNROLL`` 2; then ``sN``: N gate/up row pairs a warp; ``bN``: ``GEMV_BLOCKS_PER_SM``
-N (the warp-per-row kernels' grid cap), ``b0`` none; ``qN``: ``QKV_UNROLL`` N; ``mN``: the modes on tensor cores,
-``MMA_MODES[N]``; ``gN``: ``MMA_GROUPS_IN_FLIGHT`` N; ``cN``: ``MMA_BLOCKS_PER_SM`` N, ``c0`` none). With ``--profile N``, where a token's GPU time goes: N tokens of the step built token by
-token (``FusedDecoder.step`` and an argmax, each token read before the next), CUPTI's time per kernel.
+unrolling, the gate/up rows a warp, the grid cap and the tensor-core GEMV (``set_gemv``: ``u2`` = ``GEMV_UNROLL``
+2; then ``sN``: N gate/up row pairs a warp; ``bN``: ``GEMV_BLOCKS_PER_SM`` N (the warp-per-row kernels' grid cap),
+``b0`` none; ``mN``: the modes on tensor cores, ``MMA_MODES[N]``; ``gN``: ``MMA_GROUPS_IN_FLIGHT`` N; ``cN``:
+``MMA_BLOCKS_PER_SM`` N, ``c0`` none). With ``--profile N``, where a token's GPU time goes: N tokens of the step
+built token by token (``FusedDecoder.step`` and an argmax, each token read before the next), CUPTI's time per
+kernel.
 
 Usage (from the repository root, on a CUDA machine)::
 
@@ -96,41 +97,36 @@ def set_split(split: str | None) -> None:
         decoder_module.SPLIT_MIN_IN, decoder_module.SPLIT_UNITS = DEFAULT_SPLIT[0], int(split)
 
 
-DEFAULT_GEMV = (decoder_module.GEMV_UNROLL, decoder_module.units_per_warp, decoder_module.GEMV_BLOCKS_PER_SM,
-                decoder_module.QKV_UNROLL, decoder_module.GEMV_MMA_MODES, decoder_module.MMA_GROUPS_IN_FLIGHT,
-                decoder_module.MMA_BLOCKS_PER_SM)
+GEMV_KNOBS = ("GEMV_UNROLL", "units_per_warp", "GEMV_BLOCKS_PER_SM", "GEMV_MMA_MODES", "MMA_GROUPS_IN_FLIGHT",
+              "MMA_BLOCKS_PER_SM")
+DEFAULT_GEMV = {name: getattr(decoder_module, name) for name in GEMV_KNOBS}
 MMA_MODES = {"0": (), "1": ("swiglu",), "2": ("swiglu", "norm"), "3": ("swiglu", "norm", "residual")}
 
 
 def set_gemv(variant: str | None) -> None:
     """The GEMVs built from now on: ``variant``
-    ``u<unroll>[s<gate/up units>][b<blocks a SM>][q<q/k/v unroll>][m<tensor-core modes>][g<groups in flight>]
-    [c<tensor-core blocks a SM>]`` (``b0`` / ``c0``: no cap on the grid; ``m``: ``MMA_MODES``' key) or None (as
-    committed)."""
-    unroll, units, bps, qkv, mma, groups, mma_bps = DEFAULT_GEMV
-    decoder_module.GEMV_UNROLL, decoder_module.units_per_warp = unroll, units
-    decoder_module.GEMV_BLOCKS_PER_SM, decoder_module.QKV_UNROLL = bps, qkv
-    decoder_module.GEMV_MMA_MODES, decoder_module.MMA_GROUPS_IN_FLIGHT = mma, groups
-    decoder_module.MMA_BLOCKS_PER_SM = mma_bps
+    ``u<unroll>[s<gate/up units>][b<blocks a SM>][m<tensor-core modes>][g<groups in flight>][c<tensor-core blocks a
+    SM>]`` (``b0`` / ``c0``: no cap on the grid; ``m``: ``MMA_MODES``' key) or None (as committed)."""
+    for name, value in DEFAULT_GEMV.items():
+        setattr(decoder_module, name, value)
     if variant is None:
         return
-    m = re.fullmatch(r"u(\d+)(?:s(\d+))?(?:b(\d+))?(?:q(\d+))?(?:m([0-3]))?(?:g(\d+))?(?:c(\d+))?", variant)
+    m = re.fullmatch(r"u(\d+)(?:s(\d+))?(?:b(\d+))?(?:m([0-3]))?(?:g(\d+))?(?:c(\d+))?", variant)
     if m is None:
-        raise SystemExit(f"--gemv: {variant!r} is not u<N>[s<N>][b<N>][q<N>][m<0-3>][g<N>][c<N>]")
-    u, su, b, q, mm, g, c = m.groups()
-    if c is not None:
-        decoder_module.MMA_BLOCKS_PER_SM = int(c) or None
+        raise SystemExit(f"--gemv: {variant!r} is not u<N>[s<N>][b<N>][m<0-3>][g<N>][c<N>]")
+    u, su, b, mm, g, c = m.groups()
+    decoder_module.GEMV_UNROLL = int(u)
+    if su:
+        units = DEFAULT_GEMV["units_per_warp"]
+        decoder_module.units_per_warp = lambda rows, mode: int(su) if mode == "swiglu" else units(rows, mode)
+    if b is not None:
+        decoder_module.GEMV_BLOCKS_PER_SM = int(b) or None
     if mm is not None:
         decoder_module.GEMV_MMA_MODES = MMA_MODES[mm]
     if g:
         decoder_module.MMA_GROUPS_IN_FLIGHT = int(g)
-    decoder_module.GEMV_UNROLL = int(u)
-    if su:
-        decoder_module.units_per_warp = lambda rows, mode: int(su) if mode == "swiglu" else units(rows, mode)
-    if b is not None:
-        decoder_module.GEMV_BLOCKS_PER_SM = int(b) or None
-    if q:
-        decoder_module.QKV_UNROLL = int(q)
+    if c is not None:
+        decoder_module.MMA_BLOCKS_PER_SM = int(c) or None
 
 
 def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str, splits: list[str], gemvs: list[str]):
@@ -227,7 +223,7 @@ def main():
     ap.add_argument("--replay", action="store_true", help="also the replayed step of each setting")
     ap.add_argument("--splits", default="", help="GEMV row splits to compare (set_split), e.g. off,4,2: the o "
                     "and down kernels, then the whole replayed step, of each")
-    ap.add_argument("--gemv", default="", help="GEMV variants to compare (set_gemv), e.g. u1,u2,u1s4,u1b4q2: "
+    ap.add_argument("--gemv", default="", help="GEMV variants to compare (set_gemv), e.g. u1,u2,u1s4,u1b4m1: "
                     "every GEMV kernel, then the whole replayed step, of each")
     ap.add_argument("--profile", type=int, default=0, help="tokens of the per-kernel profile of the step (0: none)")
     ap.add_argument("--no-kernels", action="store_true")

@@ -28,9 +28,6 @@ MAX_SMEM_BYTES = 48 * 1024  # static shared memory limit per block (CUDA)
 # Chunks of every row a lane has in flight (pl_rows_dot's UNROLL). 1 rather than 2: fewer registers, more
 # warps an SM; Qwen2.5-7B shape on an H200, replayed step 277.8 -> 304.4 tok/s (docs/BENCHMARKS.md, 2026-12-03).
 GEMV_UNROLL = 1
-# The q/k/v kernel's unrolling (its grid is small: a warp per rotation pair, 2,304 warps for the Qwen2.5-7B shape).
-# 1: 2 and 4 measured slower (H200, replayed 7B step 305.6 -> 302.0 / 297.5 tok/s).
-QKV_UNROLL = 1
 # A GEMV's grid is capped at this many blocks per SM (its warps then loop over the row groups: gemv.cu), None: one
 # warp per row group. None: capped at 2, 4 or 8 the warp-per-row kernels measured slower or no faster (Qwen2.5-7B
 # shape, H200, replayed step 305.6 uncapped, 258.5 / 295.3 / 308.8 capped).
@@ -63,10 +60,9 @@ def sm_count() -> int | None:
     return n.value
 
 
-def gemv_blocks(needed: int, per_sm: int | None = None) -> int:
-    """Blocks of a GEMV launch that has ``needed`` blocks' worth of row groups: capped at ``per_sm`` (None:
-    ``GEMV_BLOCKS_PER_SM``; 0: no cap) times the SM count (the kernels loop over the rest)."""
-    per_sm = GEMV_BLOCKS_PER_SM if per_sm is None else per_sm
+def gemv_blocks(needed: int, per_sm: int | None) -> int:
+    """Blocks of a GEMV launch that has ``needed`` blocks' worth of row groups: capped at ``per_sm`` (None: no cap)
+    times the SM count (the kernels loop over the rest)."""
     sms = sm_count() if per_sm else None
     return min(needed, per_sm * sms) if sms else needed
 
@@ -119,19 +115,16 @@ class Proj:
         """Input values one lane's 16-byte weight load covers."""
         return 128 // self.bits if self.bits else 16 // dtype.size
 
-    def rows_dot(self, r: int, prefix: str = "", acc: str = "acc", split: bool = False,
-                 unroll: int | None = None) -> str:
+    def rows_dot(self, r: int, prefix: str = "", acc: str = "acc", split: bool = False) -> str:
         """CUDA statement: the warp's dot products of rows ``rows[0..r)`` with ``xs`` into ``acc``
-        (``split``: the block's share of them with ``x`` in global memory, ``calls.cu``'s rows_dot_split),
-        its chunk loop unrolled ``unroll`` times (None: ``GEMV_UNROLL``)."""
+        (``split``: the block's share of them with ``x`` in global memory, ``calls.cu``'s rows_dot_split)."""
         names = self.names(prefix)
-        unroll = GEMV_UNROLL if unroll is None else unroll
         if self.bits:
             w, s, b = names
             return fill("calls.cu", "rows_dot_split" if split else "rows_dot_quantized", bits=self.bits,
                         group_size=self.group_size, in_dim=self.in_dim, rows=r, w=w, s=s, b=b, acc=acc,
-                        unroll=unroll)
-        return fill("calls.cu", "rows_dot_dense", in_dim=self.in_dim, rows=r, w=names[0], acc=acc, unroll=unroll)
+                        unroll=GEMV_UNROLL)
+        return fill("calls.cu", "rows_dot_dense", in_dim=self.in_dim, rows=r, w=names[0], acc=acc, unroll=GEMV_UNROLL)
 
 
 def projs_problem(groups: list[list[Proj]], what: str) -> str | None:
@@ -286,14 +279,13 @@ class FusedDecoder:
             bias = [fill("qkv.cu", "bias", y=f"y{i}", row=f"r{i}") if has_bias else "" for i in (0, 1)]
             src = fill("qkv.cu", "body", hidden=self.hidden, head_dim=D, n_heads=H, n_kv_heads=KVH, window=win,
                        vals=qkv.vals(self.dtype), eps=float_literal(self.eps), pairs=pairs, traditional=int(trad),
-                       rows_dot=qkv.rows_dot(2, unroll=QKV_UNROLL), bias0=bias[0], bias1=bias[1],
-                       pos_scale=float_literal(pscale))
+                       rows_dot=qkv.rows_dot(2), bias0=bias[0], bias1=bias[1], pos_scale=float_literal(pscale))
             names = ["x", "nw", *qkv.names(), *(["bias"] if has_bias else []), "inv_freq", "pos", "kc", "vc"]
             return mx.fast.cuda_kernel(name="pl_qkv", input_names=names, output_names=["q"], source=src,
                                        header=header()), pairs
 
         return self._kernel(("qkv", qkv.bits, qkv.group_size, qkv.in_dim, qkv.out_dim, trad, pscale, has_bias, win,
-                             QKV_UNROLL), make)
+                             GEMV_UNROLL), make)
 
     def _qkv_norm_kernel(self, lay: dict, res: bool, win: int):
         """``kernels/qkv_norm.cu``: the q/k/v step of a layer with per-head q/k RMSNorms (Gemma 3, Qwen 3), one
@@ -535,5 +527,5 @@ class FusedDecoder:
         """Launch a GEMV kernel (``GEMV_MODES``): its output ``(rows,)``, and for prologue "res" also
         the new residual stream ``(hidden,)``."""
         kern, warps, n_out, mma = self._gemv_kernel(proj, mode, proj2)
-        blocks = gemv_blocks(-(-warps // WARPS_PER_BLOCK), (MMA_BLOCKS_PER_SM or 0) if mma else None)
+        blocks = gemv_blocks(-(-warps // WARPS_PER_BLOCK), MMA_BLOCKS_PER_SM if mma else GEMV_BLOCKS_PER_SM)
         return self._launch(kern, inputs, blocks, n_out, self.GEMV_MODES[mode][0] == "res")

@@ -50,10 +50,22 @@ __device__ __forceinline__ int pl_swz(int k) {
   return ((o / PS) * NCH + c) * PS + (o % PS);
 }
 
-// x (K values) into shared memory (swizzled), through RMSNorm when NORM:
+// Shared-memory slot of x[k] for the tensor-core GEMV (pl_mma_rows, below): within each 8 values, the order
+// x0 x4 x1 x5 x2 x6 x3 x7 of the half2 pairs its 4-bit words unpack to.
+__device__ __forceinline__ int pl_mma_slot(int k) {
+  const int o = k & 7;
+  return (k & ~7) | (4 * ((o & 3) >> 1) + 2 * (o & 1) + (o >> 2));
+}
+
+template <typename T, int VALS, int K, bool MMA>
+__device__ __forceinline__ int pl_x_slot(int k) {
+  return MMA ? pl_mma_slot(k) : pl_swz<T, VALS, K>(k);
+}
+
+// x (K values) into shared memory (swizzled; MMA: in pl_mma_slot order), through RMSNorm when NORM:
 // y = w * T(x * rsqrt(mean(x^2) + eps)) (MLX's rms_norm rounding: the normalized value is rounded to
 // T, then multiplied by the weight in T).
-template <typename T, int K, int NT, bool NORM, int VALS>
+template <typename T, int K, int NT, bool NORM, int VALS, bool MMA = false>
 __device__ __forceinline__ void pl_load_x(const T* x, const T* nw, float eps, T* xs, float* red) {
   if (NORM) {
     float ss = 0.f;
@@ -64,10 +76,10 @@ __device__ __forceinline__ void pl_load_x(const T* x, const T* nw, float eps, T*
     float r = rsqrtf(pl_block_sum<NT>(ss, red) / K + eps);
     for (int i = threadIdx.x; i < K; i += NT) {
       T y = static_cast<T>(static_cast<float>(x[i]) * r);
-      xs[pl_swz<T, VALS, K>(i)] = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(y));
+      xs[pl_x_slot<T, VALS, K, MMA>(i)] = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(y));
     }
   } else {
-    for (int i = threadIdx.x; i < K; i += NT) xs[pl_swz<T, VALS, K>(i)] = x[i];
+    for (int i = threadIdx.x; i < K; i += NT) xs[pl_x_slot<T, VALS, K, MMA>(i)] = x[i];
   }
   __syncthreads();
 }
@@ -220,33 +232,10 @@ __device__ __forceinline__ T pl_gelu_approx(float x) {
 // (pl_mma_slot). The products q * x are exact in the f32 accumulator; each group's sum is then scaled as in
 // pl_rows_dot: s * sum(q x) + b * sum(x) (sum(x) per group staged in shared memory).
 
-// Shared-memory slot of x[k]: within each 8 values, the order x0 x4 x1 x5 x2 x6 x3 x7 of the half2 pairs.
-__device__ __forceinline__ int pl_mma_slot(int k) {
-  const int o = k & 7;
-  return (k & ~7) | (4 * ((o & 3) >> 1) + 2 * (o & 1) + (o >> 2));
-}
-
-// x (or RMSNorm(x, nw), rounded as pl_load_x) into xs in pl_mma_slot order, and sum(x) of each group into sxs.
+// x (or RMSNorm(x, nw)) into xs in pl_mma_slot order (pl_load_x), and sum(x) of each group into sxs.
 template <typename T, int K, int NT, bool NORM, int GS>
 __device__ __forceinline__ void pl_load_x_mma(const T* x, const T* nw, float eps, T* xs, float* sxs, float* red) {
-  float r = 1.f;
-  if (NORM) {
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < K; i += NT) {
-      float v = static_cast<float>(x[i]);
-      ss += v * v;
-    }
-    r = rsqrtf(pl_block_sum<NT>(ss, red) / K + eps);
-  }
-  for (int i = threadIdx.x; i < K; i += NT) {
-    T y = x[i];
-    if (NORM) {
-      const T n = static_cast<T>(static_cast<float>(y) * r);
-      y = static_cast<T>(static_cast<float>(nw[i]) * static_cast<float>(n));
-    }
-    xs[pl_mma_slot(i)] = y;
-  }
-  __syncthreads();
+  pl_load_x<T, K, NT, NORM, 8, true>(x, nw, eps, xs, red);
   const int lane = threadIdx.x & 31;
   for (int g = threadIdx.x >> 5; g < K / GS; g += NT / 32) {
     float v = 0.f;

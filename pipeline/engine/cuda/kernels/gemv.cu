@@ -120,6 +120,8 @@ $store
         t0 += part[v][threadIdx.x];
         if (PAIR) t1 += part[v][threadIdx.x + 8];
       }
+      // One unit a thread, in the names the store_* fragments read: row u0 + u, sums acc[u] (swiglu: acc[2 u],
+      // acc[2 u + 1]).
       const int u0 = ub + threadIdx.x, u = 0;
       if (u0 < N) {
         float acc[2] = {t0, t1};
