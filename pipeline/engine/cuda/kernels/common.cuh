@@ -281,7 +281,9 @@ __device__ __forceinline__ void pl_load_words(const uint32_t* p, uint32_t (&q)[N
 }
 
 // Rows r0 and r1 (see above) dotted with the staged x over the groups G = warp, warp + W, ... (W warps split
-// the row), UG groups' words loaded before any is used. o0 / o1: the sums of rows r0 / r1 in lanes c == 0.
+// the row), UG groups' words, scales and biases loaded before any is used (the scales loaded after each group's
+// products left their latency exposed a group: Qwen2.5-7B shape, H200, replayed step 327.0 / 336.3 -> 353.6 / 355.3
+// tok/s, docs/BENCHMARKS.md). o0 / o1: the sums of rows r0 / r1 in lanes c == 0.
 template <typename T, int GS, int K, int W, int UG>
 __device__ __forceinline__ void pl_mma_rows(const uint32_t* wq, const T* sc, const T* bi, int r0, int r1,
                                             const T* xs, const float* sxs, int warp, int lane, float& o0,
@@ -293,12 +295,15 @@ __device__ __forceinline__ void pl_mma_rows(const uint32_t* wq, const T* sc, con
   float acc0 = 0.f, acc1 = 0.f;
   for (int G0 = warp; G0 < NG; G0 += W * UG) {
     uint32_t q0[UG][WPT], q1[UG][WPT];
+    T sb[UG][4];  // scale and bias of r0, then of r1
 #pragma unroll
     for (int i = 0; i < UG; i++) {
       const int G = G0 + W * i;
       if (G < NG) {
         pl_load_words<WPT>(w0 + G * (GS / 8), q0[i]);
         pl_load_words<WPT>(w1 + G * (GS / 8), q1[i]);
+        sb[i][0] = sc[(size_t)r0 * NG + G], sb[i][1] = bi[(size_t)r0 * NG + G];
+        sb[i][2] = sc[(size_t)r1 * NG + G], sb[i][3] = bi[(size_t)r1 * NG + G];
       }
     }
 #pragma unroll
@@ -316,8 +321,8 @@ __device__ __forceinline__ void pl_mma_rows(const uint32_t* wq, const T* sc, con
         pl_mma_f16(d, pl_q4_lo(a8), pl_q4_lo(b8), pl_q4_hi(a8), pl_q4_hi(b8), xv.z, xv.w);
       }
       const float sx = sxs[G];
-      acc0 += static_cast<float>(sc[(size_t)r0 * NG + G]) * d[0] + static_cast<float>(bi[(size_t)r0 * NG + G]) * sx;
-      acc1 += static_cast<float>(sc[(size_t)r1 * NG + G]) * d[2] + static_cast<float>(bi[(size_t)r1 * NG + G]) * sx;
+      acc0 += static_cast<float>(sb[i][0]) * d[0] + static_cast<float>(sb[i][1]) * sx;
+      acc1 += static_cast<float>(sb[i][2]) * d[2] + static_cast<float>(sb[i][3]) * sx;
     }
   }
   o0 = acc0;
