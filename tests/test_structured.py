@@ -19,6 +19,7 @@ from test_job_end_to_end import read_output, run_cli
 from tiny_model import write_prompts, write_tiny_model
 
 from pipeline.engine import BatchEngine, GenerateParams, Request
+from pipeline.engine.request import Decoding
 from pipeline.engine.structured import StructuredOutputsParams
 from pipeline.errors import JobSpecError, RowError
 from pipeline.jobspec import job_from_dict
@@ -237,6 +238,26 @@ def test_a_token_mask_allows_exactly_its_bits(vocab, dtype):
             assert got.dtype == mx.float32 and np.array_equal(np.array(got), want), enabled
         finally:
             kernel.ENABLED = True
+
+
+def test_matcher_families_change_no_output(tiny, monkeypatch):
+    """Matchers copied from several fresh matchers of their grammar (``MATCHER_FAMILIES``, each family its own
+    lexer) give the tokens one family gives, sampled or greedy, and the batched calls list them family by family."""
+    from pipeline.engine import structured as st
+
+    eng = tiny.engine
+    reqs = [Request(k, eng.tokenizer.encode(f"prompt {k}"), GenerateParams(
+        max_tokens=16, seed=k, temperature=1.0 if k % 2 else 0.0, structured=StructuredOutputsParams(regex=WORD)))
+        for k in range(6)]
+    runs = {}
+    for families in (1, 3):
+        monkeypatch.setattr(st, "MATCHER_FAMILIES", families)
+        runs[families] = {tag: g.token_ids for tag, g in BatchEngine(eng, 4, 256).run(reqs)}
+    assert runs[3] == runs[1]
+    slots = [Decoding(eng, r.prompt_ids, r.params, capacity=256) for r in reqs]
+    assert sorted({d.constraint.family for d in slots}) == [0, 1, 2]
+    order = [c.family for c, _ in st._constraints(slots)]
+    assert order == sorted(order) and sorted(b for _, b in st._constraints(slots)) == list(range(6))
 
 
 def test_a_batch_with_constraints_lowers_the_switch_interval_and_restores_it(tiny):

@@ -11,7 +11,8 @@ upload, and the worker thread's llguidance calls (``consume_token_par``, the bat
 and without the schema: ``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms
 switch interval kept); ``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``'
 ``mx.load``); ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N``
-(llguidance's ``LLExecutor`` with N threads, not its default). (``launch-first``, the forward launched before
+(llguidance's ``LLExecutor`` with N threads, not its default: 80% of the CPUs, at most 32); ``families-N``
+(``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its own lexer). (``launch-first``, the forward launched before
 the step's tokens were read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
 
 Usage (from the repository root)::
@@ -174,12 +175,14 @@ def main():
     for params in settings.values():
         run(lm, prompts[: args.batch_size], GenerateParams(max_tokens=8, structured=params.structured), args.batch_size)
     results = []
-    device_words, interval = st.device_words, st.SlotMasks.SWITCH_INTERVAL
+    device_words, interval, families = st.device_words, st.SlotMasks.SWITCH_INTERVAL, st.MATCHER_FAMILIES
     for name in args.variants.split(","):
         st.device_words = device_words if name != "mx-array" else (lambda bm: mx.array(bm.view(np.uint32)))
         st.SlotMasks.SWITCH_INTERVAL = None if name == "switch-off" else interval
         mask_kernel.ENABLED = name != "no-kernel"
         THREADS[0] = int(name.split("-")[1]) if name.startswith("threads-") else None
+        st.MATCHER_FAMILIES = int(name.split("-")[1]) if name.startswith("families-") else families
+        st._fresh_matcher.cache_clear()  # each run's families start from cold lexers
         for kind, params in settings.items():
             row = {"variant": name, "kind": kind, **run(lm, prompts, params, args.batch_size)}
             print(json.dumps(row), flush=True)

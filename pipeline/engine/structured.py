@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import io
+import itertools
 import json
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -130,8 +131,20 @@ def ll_tokenizer(tokenizer, eos_token_ids: tuple[int, ...]) -> llguidance.LLToke
     return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=tokenizer.vocab_size, eos_token=list(eos_token_ids))
 
 
-@functools.lru_cache(maxsize=64)
-def _fresh_matcher(grammar: str, tok: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+# llguidance's ``LLMatcher.deep_copy`` shares the copied matcher's lexer (its cache of lexer states, behind one
+# mutex: parser/src/earley/parser.rs, ``Parser.shared``; python_ext's ``deep_copy`` clones without
+# ``deep_clone``), so the masks of copies of one matcher, computed in parallel, may wait for each other. Each
+# request's matcher is copied from one of MATCHER_FAMILIES fresh matchers of its grammar (round robin), and the
+# batched calls list the matchers family by family, so that llguidance's threads (rayon: contiguous chunks of the
+# list) can work on different lexers. 1 (every matcher shares one lexer, warm sooner) until a GPU run measures
+# more (docs/BENCHMARKS.md, 2026-12-04: on the H200 the 256 masks of a B=256 step took no less time with 12
+# threads than with 4; on the 2-core VM more families measured no faster).
+MATCHER_FAMILIES = 1
+_NEXT_FAMILY = itertools.count()
+
+
+@functools.lru_cache(maxsize=256)
+def _fresh_matcher(grammar: str, tok: llguidance.LLTokenizer, family: int) -> llguidance.LLMatcher:
     return llguidance.LLMatcher(tok, grammar, log_level=0)
 
 
@@ -155,7 +168,8 @@ class Constraint:
             grammar = params.lark()
         except ValueError as e:
             raise RowError(f"structured.{params.key}: {one_line(str(e))}") from None
-        fresh = _fresh_matcher(grammar, tok)
+        self.family = next(_NEXT_FAMILY) % MATCHER_FAMILIES  # which fresh matcher's lexer it shares
+        fresh = _fresh_matcher(grammar, tok, self.family)
         if fresh.is_error():
             raise RowError(f"structured.{params.key}: {one_line(fresh.get_error())}")
         self.matcher = fresh.deep_copy()
@@ -333,8 +347,9 @@ class SlotMasks:
 
 
 def _constraints(slots) -> list:
-    """``(Constraint, slot)`` of every slot whose request has one."""
-    return [(d.constraint, b) for b, d in enumerate(slots) if d is not None and d.constraint is not None]
+    """``(Constraint, slot)`` of every slot whose request has one, family by family (``MATCHER_FAMILIES``)."""
+    return sorted(((d.constraint, b) for b, d in enumerate(slots) if d is not None and d.constraint is not None),
+                  key=lambda cb: cb[0].family)
 
 
 _BIT = mx.arange(32, dtype=mx.uint32)
