@@ -12,8 +12,9 @@ and without the schema: ``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL
 switch interval kept); ``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``'
 ``mx.load``); ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N``
 (llguidance's ``LLExecutor`` with N threads, not its default: 80% of the CPUs, at most 32); ``families-N``
-(``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its own lexer). (``launch-first``, the forward launched before
-the step's tokens were read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
+(``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its own lexer;
+every variant starts from cold lexers). (``launch-first``, the forward launched before the step's tokens were
+read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
 
 Usage (from the repository root)::
 

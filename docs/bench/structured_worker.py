@@ -72,7 +72,8 @@ def run(lm, params, eos, families: int):
         for k, v in zip(spans, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             spans[k].append(v)
     print(f"families {families}:", {k: round(1e3 * statistics.median(v), 3) for k, v in spans.items()},
-          "mean", {k: round(1e3 * statistics.mean(v), 3) for k, v in spans.items()}, f"ms ({STEPS} steps, {ROWS} matchers)")
+          "mean", {k: round(1e3 * statistics.mean(v), 3) for k, v in spans.items()},
+          f"ms ({STEPS} steps, {ROWS} matchers)")
 
 
 if __name__ == "__main__":
