@@ -252,10 +252,15 @@ def test_matcher_families_change_no_output(tiny, monkeypatch):
     runs = {}
     for families in (1, 3):
         monkeypatch.setattr(st, "MATCHER_FAMILIES", families)
-        runs[families] = {tag: g.token_ids for tag, g in BatchEngine(eng, 4, 256).run(reqs)}
+        out = dict(BatchEngine(eng, 4, 256).run(reqs))
+        assert not [g for g in out.values() if isinstance(g, RowError)], out
+        runs[families] = {tag: g.token_ids for tag, g in out.items()}
     assert runs[3] == runs[1]
     slots = [Decoding(eng, r.prompt_ids, r.params, capacity=256) for r in reqs]
     assert sorted({d.constraint.family for d in slots}) == [0, 1, 2]
+    tok = st.ll_tokenizer(eng.tokenizer, tuple(sorted(eng.eos_token_ids)))
+    grammar = StructuredOutputsParams(regex=WORD).lark()
+    assert len({id(st._fresh_matcher(grammar, tok, f)) for f in range(3)}) == 3  # three lexers, not one
     order = [c.family for c, _ in st._constraints(slots)]
     assert order == sorted(order) and sorted(b for _, b in st._constraints(slots)) == list(range(6))
 
