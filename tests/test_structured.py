@@ -265,66 +265,6 @@ def test_matcher_families_change_no_output(tiny, monkeypatch):
     assert order == sorted(order) and sorted(b for _, b in st._constraints(slots)) == list(range(6))
 
 
-def _tokens_both_ways(eng, reqs, B):
-    """``BatchEngine.run`` with ``check_first`` on and off: ``{tag: (token_ids, finish_reason)}`` of each, and the
-    guesses the first run corrected."""
-    runs, corrected = {}, None
-    for check_first in (True, False):
-        engine = BatchEngine(eng, B, 256)
-        engine.check_first = check_first
-        out = dict(engine.run(reqs))
-        assert not [g for g in out.values() if isinstance(g, RowError)], out
-        runs[check_first] = {tag: (g.token_ids, g.finish_reason) for tag, g in out.items()}
-        if check_first:
-            corrected = engine.corrected
-        else:
-            assert engine.corrected == 0
-    return runs[True], runs[False], corrected
-
-
-def test_check_first_gives_the_tokens_of_the_masked_step(tiny):
-    """Greedy constrained slots decode unmasked and have their argmax checked against the mask when read
-    (``BatchEngine.check_first``); the random model's argmax is almost never in the grammar, so most tokens are
-    corrections: every token, stop and length is what the step that waits for its masks gives, beside an
-    unconstrained neighbour and with a stop id of the grammar's own."""
-    eng = tiny.engine
-    reqs = [Request(k, eng.tokenizer.encode(f"prompt {k}"), GenerateParams(
-        max_tokens=6 + 3 * k, structured=StructuredOutputsParams(regex=WORD))) for k in range(5)]
-    reqs.append(Request("free", eng.tokenizer.encode("free"), GenerateParams(max_tokens=10)))
-    reqs.append(Request("stop-id", eng.tokenizer.encode("x"), GenerateParams(
-        max_tokens=12, stop_token_ids=[eng.tokenizer.encode(" dog")[0]], structured=StructuredOutputsParams(regex=WORD))))
-    guessed, waited, corrected = _tokens_both_ways(eng, reqs, 3)
-    assert guessed == waited
-    assert corrected > 0
-    for tag, (ids, finish) in guessed.items():
-        if tag != "free" and finish == "stop" and tag != "stop-id":
-            assert re.fullmatch(WORD, eng.tokenizer.decode(ids)), (tag, eng.tokenizer.decode(ids))
-
-
-def test_check_first_hands_over_to_the_masked_step_and_back(tiny):
-    """A batch whose sampling stops being plain greedy (a request with logprobs, or sampled, takes a slot)
-    samples under its masks from then on, and guesses again once only greedy slots are left: the guessed tokens
-    still held are checked before the masked step runs; every request's tokens are those of a run that never
-    guesses."""
-    eng = tiny.engine
-    kinds = [dict(), dict(), dict(logprobs=1), dict(), dict(temperature=1.0, seed=3), dict()] * 4
-    reqs = [Request(k, eng.tokenizer.encode(f"prompt {k}"), GenerateParams(
-        max_tokens=3 + (5 * k) % 11, structured=StructuredOutputsParams(regex=WORD), **kw))
-        for k, kw in enumerate(kinds)]
-    guessed, waited, corrected = _tokens_both_ways(eng, reqs, 2)
-    assert guessed == waited and corrected > 0
-
-
-def test_check_first_on_the_real_model(default_model, schema_runs):
-    """The 20 schemas batched with ``check_first`` off give the tokens of the run that guessed (float32)."""
-    _, bat, _ = schema_runs
-    engine = BatchEngine(default_model.engine, 4, 256)
-    engine.check_first = False
-    waited = dict(engine.run(_requests(default_model)))
-    assert {t: (g.token_ids, g.finish_reason) for t, g in waited.items()} == \
-        {t: (g.token_ids, g.finish_reason) for t, g in bat.items()}
-
-
 def test_a_batch_with_constraints_lowers_the_switch_interval_and_restores_it(tiny):
     """``SlotMasks`` lowers Python's switch interval while its worker runs (so the worker gets the GIL back
     soon after each llguidance call) and puts the old one back when the run ends."""

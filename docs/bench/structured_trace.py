@@ -13,8 +13,7 @@ switch interval kept); ``mx-array`` (the bitmask uploaded with ``mx.array``, not
 ``mx.load``); ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N``
 (llguidance's ``LLExecutor`` with N threads, not its default: 80% of the CPUs, at most 32); ``families-N``
 (``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its own lexer;
-every variant starts from cold lexers); ``wait`` (``BatchEngine.check_first`` off: a greedy step's sampling
-waits for its masks, as every step did before); variants combine with "+" (``wait+families-12``). (``launch-first``, the forward launched before the step's tokens were
+every variant starts from cold lexers). (``launch-first``, the forward launched before the step's tokens were
 read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
 
 Usage (from the repository root)::
@@ -96,7 +95,6 @@ class _TimedMx:
 
 
 THREADS: list = [None]  # llguidance LLExecutor threads of the next run (None: its default)
-CHECK_FIRST: list = [True]  # BatchEngine.check_first of the next run
 
 
 def instrument():
@@ -147,13 +145,12 @@ def run(lm, prompts, params, b):
     MARK.clear()
     t0 = time.perf_counter()
     engine = BatchEngine(lm.engine, b, max(len(p) for p in prompts) + params.max_tokens)
-    engine.check_first = CHECK_FIRST[0]
     gens = [g for _, g in engine.run([Request(i, p, params) for i, p in enumerate(prompts)])]
     s = time.perf_counter() - t0
     n = sum(len(g.token_ids) for g in gens)
     steps = len(SPANS["forward"])
     out = {"tok_s": round(n / s, 1), "tokens": n, "seconds": round(s, 3), "steps": steps,
-           "ms_per_step": round(1e3 * s / max(steps, 1), 3), "corrected": engine.corrected}
+           "ms_per_step": round(1e3 * s / max(steps, 1), 3)}
     for k, v in SPANS.items():
         out[k] = {"median_ms": round(1e3 * statistics.median(v), 3), "total_s": round(sum(v), 3), "n": len(v)}
     return out
@@ -181,15 +178,11 @@ def main():
     results = []
     device_words, interval, families = st.device_words, st.SlotMasks.SWITCH_INTERVAL, st.MATCHER_FAMILIES
     for name in args.variants.split(","):
-        parts = name.split("+")
-        number = lambda prefix, default: next((int(p[len(prefix):]) for p in parts if p.startswith(prefix)),  # noqa: E731
-                                              default)
-        st.device_words = device_words if "mx-array" not in parts else (lambda bm: mx.array(bm.view(np.uint32)))
-        st.SlotMasks.SWITCH_INTERVAL = None if "switch-off" in parts else interval
-        mask_kernel.ENABLED = "no-kernel" not in parts
-        THREADS[0] = number("threads-", None)
-        st.MATCHER_FAMILIES = number("families-", families)
-        CHECK_FIRST[0] = "wait" not in parts
+        st.device_words = device_words if name != "mx-array" else (lambda bm: mx.array(bm.view(np.uint32)))
+        st.SlotMasks.SWITCH_INTERVAL = None if name == "switch-off" else interval
+        mask_kernel.ENABLED = name != "no-kernel"
+        THREADS[0] = int(name.split("-")[1]) if name.startswith("threads-") else None
+        st.MATCHER_FAMILIES = int(name.split("-")[1]) if name.startswith("families-") else families
         st._fresh_matcher.cache_clear()  # each run's families start from cold lexers
         for kind, params in settings.items():
             row = {"variant": name, "kind": kind, **run(lm, prompts, params, args.batch_size)}

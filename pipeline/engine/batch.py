@@ -58,7 +58,7 @@ from .params import Generation
 from .prefix import block_hashes
 from .request import Decoding, Request
 from .sequential import Engine
-from .structured import SlotMasks, TokenMask
+from .structured import SlotMasks
 from .views import (PREFILL_MIN_BUCKET, BatchView, layer_capacity, layer_kind, position_bytes, prefill_pad,
                     stored_slots)
 
@@ -164,8 +164,6 @@ class BatchEngine:
         self._closures: dict[tuple, object] = {}
         self.trace_count = 0
         self.cuda_step = True  # False: the generic step even where the CUDA one can run (to compare them)
-        self.check_first = True  # False: constrained greedy steps wait for their masks before sampling
-        self.corrected = 0  # guessed tokens a grammar rejected and the masked argmax replaced (check_first)
         self._generic_why = batched_blocker(engine.model, self.kinds)
         self.decoder = BatchedDecoder(engine.model, self.kinds) if self._generic_why is None else None
 
@@ -609,73 +607,17 @@ class BatchEngine:
             self.buffers = bufs
             return logits, greedy, pos
 
-        def sample(fwd, at, allowed):
+        def sample(fwd, at=None, allowed=None):
             """Queue the sampling of a forward's logits (one batched call for every slot; ``at``: the slots as
-            the step saw them; ``allowed``: the constrained slots' masks, or None); returns the lazy
-            ``(tokens, positions, extras)``."""
+            the step saw them, default ``slots``; ``allowed``: the constrained slots' masks, default computed
+            now from their tokens so far); returns the lazy ``(tokens, positions, extras)``."""
             logits, greedy, pos = fwd
+            at = slots if at is None else at
+            if allowed is None:
+                allowed = masks.allowed(at, logits.shape[-1])
             nxt, extras = sampling.step(at, logits, greedy, allowed)
             mx.async_eval(nxt, pos, *self.buffers, *sampling.arrays(), *extras.arrays)
             return nxt, pos, extras
-
-        out: list = []
-
-        def end(b: int, step) -> None:
-            """Slot ``b``'s verdict on its token (``step()``: its ``push`` or ``settle``): a finished request
-            leaves its slot."""
-            s = slots[b]
-            try:
-                done = step()
-            except RowError as e:  # its grammar rejected the token
-                done = e
-            if done:
-                out.append((s.tag, done if isinstance(done, RowError) else self._finish(s, done)))
-                slots[b] = None
-
-        # check_first: ``guessed[b]``: the token ``current`` holds for slot b is its step's unmasked argmax (of the
-        # logits ``guessed_from`` holds), to check against the slot's mask when read; ``unsettled``: ``(slot,
-        # token, record's answer)`` of the tokens the mask worker is consuming.
-        guessed = np.zeros((self.B,), dtype=bool)
-        guessed_from: list = [None]
-        unsettled: list[tuple[int, int, tuple | None]] = []
-
-        def settle() -> None:
-            """Wait for the mask worker and take its verdicts on the tokens it consumed (ends requests)."""
-            masks.collect()
-            if unsettled:
-                for b, tok, recorded in unsettled:
-                    end(b, functools.partial(slots[b].settle, tok, recorded))
-                unsettled.clear()
-
-        def check(current, toks: list[int]):
-            """Settle the worker's verdicts, then check every guessed token of a constrained slot (``toks``, as
-            read) against its mask (the worker's, made from every token the slot has recorded); a rejected one
-            becomes the masked argmax of the same logits row (the token the masked sampling gives: the same ops),
-            in ``toks`` and in the returned ``current``."""
-            settle()
-            rows = np.array([b for b in np.flatnonzero(guessed)
-                             if slots[b] is not None and slots[b].constraint is not None], dtype=np.int64)
-            guessed[:] = False
-            if not len(rows):
-                return current
-            bits = masks.bitmask.view(np.uint32)
-            t = np.array([toks[b] for b in rows], dtype=np.int64)
-            word = bits[rows, np.minimum(t >> 5, bits.shape[1] - 1)]
-            ok = (t < 32 * bits.shape[1]) & (((word >> (t & 31).astype(np.uint32)) & 1) == 1)
-            bad = rows[~ok]
-            if not len(bad):
-                return current
-            logits = guessed_from[0]
-            allowed = TokenMask(mx.array(masks.bitmask[bad].view(np.uint32)), logits.shape[-1])
-            fixed = mx.argmax(allowed.apply(logits[mx.array(bad)]), axis=-1).astype(mx.uint32)
-            c = np.zeros((self.B,), dtype=np.uint32)
-            c[bad] = np.array(fixed)
-            for b in bad.tolist():
-                toks[b] = int(c[b])
-            m = np.zeros((self.B,), dtype=bool)
-            m[bad] = True
-            self.corrected += len(bad)
-            return mx.where(mx.array(m), mx.array(c), current[0]), current[1], current[2]
 
         # ``current``: each live slot's next token to record (a step's output, or a new request's first
         # token) and the position it is fed at; its ids are read only after the next step is queued, so
@@ -686,61 +628,47 @@ class BatchEngine:
         try:
             while current is not None:
                 # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
-                # With a constrained slot, step t + 1's sampling needs the masks made from step t's tokens. When
-                # every slot samples greedily (no penalty, no logprobs: the step's argmax is the token) and
-                # ``check_first`` is on, steps are queued as if unconstrained and each constrained slot's token is
-                # checked against its mask when read (llama.cpp's sampler checks the sampled token against the
-                # grammar before it resamples with the grammar applied): step t's tokens are read, a rejected one
-                # is replaced by the masked argmax of its logits, the worker starts on them (``SlotMasks.start``:
-                # the masks of step t + 1's check), step t + 1 is queued, and the tokens are recorded while it
-                # runs; the worker's verdicts are taken at the next read.
-                # Otherwise step t's tokens are read first and handed to the worker, then only step t + 1's
-                # forward is queued while the worker runs; the masked sampling is queued once the masks are in,
-                # then the host takes the grammar verdicts (``Decoding.settle``) and admits new requests.
-                out.clear()
-                toks = None
-                if masks.busy or guessed.any():  # a guessed step: settle and check its tokens before anything
-                    toks = current[0].tolist()
-                    current = check(current, toks)
-                more = any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots)
-                constrained = any(s is not None and s.constraint is not None for s in slots)
-                guess = constrained and self.check_first and sampling.kind_of(slots).plain
-                ahead, deferred = None, False
-                if guess:
-                    if toks is None:
-                        toks = current[0].tolist()
-                    masks.start(list(slots), toks)
-                    if more:
-                        fwd = forward(current[0], current[1], active)
-                        ahead = sample(fwd, slots, None)
-                        guessed_from[0] = fwd[0]
-                elif more:
-                    deferred = constrained
+                # With a constrained slot the order differs: step t + 1's sampling needs the masks made from
+                # step t's tokens, so those tokens are read first and handed to llguidance on a worker thread
+                # (``SlotMasks.start``), then only step t + 1's forward is queued: the masks are computed while
+                # the host launches that forward (the launch of a step's kernels is most of its host time, with
+                # the GIL released) and records every slot's token; the masked sampling is queued as soon as the
+                # masks are in, then the host takes the grammar verdicts (``Decoding.settle``) and admits new
+                # requests while the device samples.
+                ahead, deferred, toks = None, False, None
+                if any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots):
+                    deferred = any(s is not None and s.constraint is not None for s in slots)
                     if deferred:
                         at = list(slots)  # the slots as step t + 1 sees them
-                        if toks is None:
-                            toks = current[0].tolist()
+                        toks = current[0].tolist()
                         masks.start(at, toks)
                     ahead = forward(current[0], current[1], active)
                     if deferred:
                         mx.async_eval(ahead, *self.buffers)
                     else:
-                        ahead = sample(ahead, slots, masks.allowed(slots, ahead[0].shape[-1]))
+                        ahead = sample(ahead)
                 if toks is None:
                     toks = current[0].tolist()
-                later = []
+                out, later = [], []
+
+                def end(b: int, step) -> None:
+                    """Slot ``b``'s verdict on its token (``step()``: its ``push`` or ``settle``): a finished request
+                    leaves its slot."""
+                    s = slots[b]
+                    try:
+                        done = step()
+                    except RowError as e:  # its grammar rejected the token
+                        done = e
+                    if done:
+                        out.append((s.tag, done if isinstance(done, RowError) else self._finish(s, done)))
+                        slots[b] = None
+
                 for b, s in enumerate(slots):
                     if s is None:
                         continue
                     extras = firsts[b] if b in firsts else current[2].get(b, ())
-                    if (deferred or guess) and s.constraint is not None:
-                        recorded = s.record(toks[b], extras)
-                        if guess and recorded is not None and recorded[1] is not None:  # a stop id: ends now
-                            end(b, functools.partial(s.settle, toks[b], recorded))
-                        elif guess:
-                            unsettled.append((b, toks[b], recorded))
-                        else:
-                            later.append((b, recorded))
+                    if deferred and s.constraint is not None:
+                        later.append((b, s.record(toks[b], extras)))
                         continue
                     end(b, functools.partial(s.push, toks[b], extras))
                 if deferred:  # step t + 1's sampling, for the slots still held by the requests it computed
@@ -748,22 +676,15 @@ class BatchEngine:
                     ahead = sample(ahead, at, masks.wait(ahead[0].shape[-1]))
                     for b, recorded in later:
                         end(b, functools.partial(slots[b].settle, toks[b], recorded))
-                guessed[:] = guess and ahead is not None
                 changed = bool(out)  # a request ended: its slot is free
                 seated = {}
                 if None in slots and (pending or not exhausted):
                     # a new request's prefill overwrites its slot, step t + 1's write included
                     seated = admit(out, decoding=any(s is not None for s in slots))
-                    guessed[list(seated)] = False
                 if changed or seated:
                     active = activity()
                 current = entering(seated, ahead) if seated else ahead
                 firsts = {b: extras for b, (_, extras) in seated.items()}
-                yield from list(out)
-            out.clear()
-            settle()  # the last guessed step's verdicts
-            yield from list(out)
-            if any(s is not None for s in slots):
-                raise RuntimeError("BatchEngine.run: requests left in their slots after the last step")
+                yield from out
         finally:  # also when the caller stops early or a step raises: the worker ends, the interval is restored
             masks.close()

@@ -218,11 +218,6 @@ class SlotSampler:
         ks = tuple(k.logprobs if k is not None else None for k in self.kinds)
         return tokens, StepLogprobs(lp, ks, self.kind.logprobs or ())
 
-    def kind_of(self, slots) -> BatchKind:
-        """The ``BatchKind`` of ``slots`` (each slot's ``Decoding`` or None), rows written for new occupants."""
-        self._sync(slots)
-        return self.kind
-
     def arrays(self) -> list[mx.array]:
         """The state arrays, to evaluate with each step (a graph that is never evaluated keeps growing)."""
         return list(self.state) if self.state is not None else []

@@ -301,22 +301,6 @@ class SlotMasks:
         job, self._job = self._job, None
         return self._finish(job.result(), vocab)
 
-    @property
-    def busy(self) -> bool:
-        """A job ``start`` began has not been waited for (``wait`` or ``collect``)."""
-        return self._job is not None
-
-    def collect(self) -> None:
-        """Wait for the job ``start`` began (if any), leaving its masks in ``bitmask`` (no upload) and its verdicts
-        in the constraints (``Constraint.ahead``).
-
-        Raises:
-            Exception: whatever llguidance raised on the worker thread.
-        """
-        job, self._job = self._job, None
-        if job is not None:
-            job.result()
-
     def close(self) -> None:
         """Stop the worker thread (after the job in flight, if any) and restore Python's switch interval."""
         if self._pool is not None:
