@@ -13,7 +13,8 @@ switch interval kept); ``mx-array`` (the bitmask uploaded with ``mx.array``, not
 ``mx.load``); ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N``
 (llguidance's ``LLExecutor`` with N threads, not its default: 80% of the CPUs, at most 32); ``families-N``
 (``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its own lexer;
-every variant starts from cold lexers). (``launch-first``, the forward launched before the step's tokens were
+every variant starts from cold lexers; default ``structured.MATCHER_FAMILIES``); variants combine with "+"
+(``threads-8+families-8``). (``launch-first``, the forward launched before the step's tokens were
 read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
 
 Usage (from the repository root)::
@@ -178,11 +179,14 @@ def main():
     results = []
     device_words, interval, families = st.device_words, st.SlotMasks.SWITCH_INTERVAL, st.MATCHER_FAMILIES
     for name in args.variants.split(","):
-        st.device_words = device_words if name != "mx-array" else (lambda bm: mx.array(bm.view(np.uint32)))
-        st.SlotMasks.SWITCH_INTERVAL = None if name == "switch-off" else interval
-        mask_kernel.ENABLED = name != "no-kernel"
-        THREADS[0] = int(name.split("-")[1]) if name.startswith("threads-") else None
-        st.MATCHER_FAMILIES = int(name.split("-")[1]) if name.startswith("families-") else families
+        parts = name.split("+")
+        number = lambda prefix, default: next((int(p[len(prefix):]) for p in parts if p.startswith(prefix)),  # noqa: E731
+                                              default)
+        st.device_words = device_words if "mx-array" not in parts else (lambda bm: mx.array(bm.view(np.uint32)))
+        st.SlotMasks.SWITCH_INTERVAL = None if "switch-off" in parts else interval
+        mask_kernel.ENABLED = "no-kernel" not in parts
+        THREADS[0] = number("threads-", None)
+        st.MATCHER_FAMILIES = number("families-", families)
         st._fresh_matcher.cache_clear()  # each run's families start from cold lexers
         for kind, params in settings.items():
             row = {"variant": name, "kind": kind, **run(lm, prompts, params, args.batch_size)}

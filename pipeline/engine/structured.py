@@ -22,6 +22,7 @@ import functools
 import io
 import itertools
 import json
+import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -133,13 +134,13 @@ def ll_tokenizer(tokenizer, eos_token_ids: tuple[int, ...]) -> llguidance.LLToke
 
 # llguidance's ``LLMatcher.deep_copy`` shares the copied matcher's lexer (its cache of lexer states, behind one
 # mutex: parser/src/earley/parser.rs, ``Parser.shared``; python_ext's ``deep_copy`` clones without
-# ``deep_clone``), so the masks of copies of one matcher, computed in parallel, may wait for each other. Each
+# ``deep_clone``), so the masks of copies of one matcher, computed in parallel, wait for each other. Each
 # request's matcher is copied from one of MATCHER_FAMILIES fresh matchers of its grammar (round robin), and the
 # batched calls list the matchers family by family, so that llguidance's threads (rayon: contiguous chunks of the
-# list) can work on different lexers. 1 (every matcher shares one lexer, warm sooner) until a GPU run measures
-# more (docs/BENCHMARKS.md, 2026-12-04: on the H200 the 256 masks of a B=256 step took no less time with 12
-# threads than with 4; on the 2-core VM more families measured no faster).
-MATCHER_FAMILIES = 1
+# list) work on different lexers. As many families as llguidance has threads by default (80% of the CPUs), at most
+# 8: on the H200's 16-core host, 256 JSON-schema matchers' masks took 1.2 ms a step with 8 or 12 families against
+# 3.3 ms with one, and a B=256 job's JSON step 7.3-8.4 ms against 9.9 (docs/BENCHMARKS.md, 2026-12-04 evening).
+MATCHER_FAMILIES = max(1, min(8, int(0.8 * (os.cpu_count() or 1))))
 _NEXT_FAMILY = itertools.count()
 
 
