@@ -240,6 +240,27 @@ def test_a_token_mask_allows_exactly_its_bits(vocab, dtype):
             kernel.ENABLED = True
 
 
+def test_a_packed_bitmask_is_its_rows():
+    """``pack`` keeps a bitmask's distinct rows and where each row went, exactly: rows equal on the sampled words
+    but not elsewhere stay apart; the ``TokenMask`` built from the packed upload holds the bitmask's own words."""
+    import numpy as np
+
+    from pipeline.engine.structured import allowed_tokens, pack
+
+    rng = np.random.default_rng(1)
+    distinct = rng.integers(-2**31, 2**31 - 1, size=(4, 1536), dtype=np.int64).astype(np.int32)
+    bitmask = distinct[[0, 1, 1, 2, 0, 3, 3, 3, 2]].copy()
+    bitmask[6, 5] ^= 1  # word 5 is not sampled (every 24th is): equal to row 5 there, not here
+    bitmask[7, 24] ^= 1  # word 24 is
+    rows, inverse = pack(bitmask)
+    assert np.array_equal(rows[inverse], bitmask) and inverse.dtype == np.int32
+    assert len(rows) == 6 == len({r.tobytes() for r in bitmask})
+    mask = allowed_tokens(bitmask, 1536 * 32)
+    assert np.array_equal(np.array(mask.words), bitmask.view(np.uint32))
+    one = allowed_tokens(bitmask[:1], 1536 * 32)
+    assert np.array_equal(np.array(one.words), bitmask[:1].view(np.uint32))
+
+
 def test_matcher_families_change_no_output(tiny, monkeypatch):
     """Matchers copied from several fresh matchers of their grammar (``MATCHER_FAMILIES``, each family its own
     lexer) give the tokens one family gives, sampled or greedy, and the batched calls list them family by family."""

@@ -14,7 +14,8 @@ switch interval kept); ``mx-array`` (the bitmask uploaded with ``mx.array``, not
 (llguidance's ``LLExecutor`` with N threads, not its default: 80% of the CPUs, at most 32); ``families-N``
 (``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its own lexer;
 every variant starts from cold lexers; default ``structured.MATCHER_FAMILIES``); variants combine with "+"
-(``threads-8+families-8``). (``launch-first``, the forward launched before the step's tokens were
+(``threads-8+families-8``); ``unpacked`` (every row of the bitmask uploaded, not only its distinct ones:
+``structured.pack`` returns the bitmask itself). (``launch-first``, the forward launched before the step's tokens were
 read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
 
 Usage (from the repository root)::
@@ -178,6 +179,7 @@ def main():
         run(lm, prompts[: args.batch_size], GenerateParams(max_tokens=8, structured=params.structured), args.batch_size)
     results = []
     device_words, interval, families = st.device_words, st.SlotMasks.SWITCH_INTERVAL, st.MATCHER_FAMILIES
+    pack = st.pack
     for name in args.variants.split(","):
         parts = name.split("+")
         number = lambda prefix, default: next((int(p[len(prefix):]) for p in parts if p.startswith(prefix)),  # noqa: E731
@@ -185,6 +187,7 @@ def main():
         st.device_words = device_words if "mx-array" not in parts else (lambda bm: mx.array(bm.view(np.uint32)))
         st.SlotMasks.SWITCH_INTERVAL = None if "switch-off" in parts else interval
         mask_kernel.ENABLED = "no-kernel" not in parts
+        st.pack = pack if "unpacked" not in parts else (lambda bm: (bm, np.arange(len(bm), dtype=np.int32)))
         THREADS[0] = number("threads-", None)
         st.MATCHER_FAMILIES = number("families-", families)
         st._fresh_matcher.cache_clear()  # each run's families start from cold lexers

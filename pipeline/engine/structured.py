@@ -236,7 +236,7 @@ class SlotMasks:
     ``start`` hands one step's work to a worker thread and returns at once: advancing each constrained
     slot's matcher by its token, then at once the masks of their next tokens (two llguidance calls back to
     back, each over every slot in parallel with the GIL released), then each matcher's verdict (kept in
-    ``Constraint.ahead``). The host records the step's tokens (``Decoding.record``) meanwhile; ``wait``
+    ``Constraint.ahead``) and the masks' distinct rows (``pack``: what goes to the device). The host records the step's tokens (``Decoding.record``) meanwhile; ``wait``
     returns the masks, and after it ``Decoding.settle`` takes the verdicts. Between ``start`` and ``wait``,
     nothing but the worker may touch those slots' matchers.
 
@@ -280,9 +280,10 @@ class SlotMasks:
                 sys.setswitchinterval(self.SWITCH_INTERVAL)
         self._job = self._pool.submit(self._work, constraints, feed)
 
-    def _work(self, constraints: list, feed: list) -> list | None:
+    def _work(self, constraints: list, feed: list) -> tuple | None:
         """Advance the matchers of ``feed`` (``(Constraint, token)``), fill the masks of ``constraints``
-        (``(Constraint, slot)``), then keep the advanced matchers' verdicts; returns ``_rows``'s rows."""
+        (``(Constraint, slot)``), then keep the advanced matchers' verdicts; returns ``_rows``'s rows and the
+        bitmask's ``pack`` (made here, off the host's path)."""
         if not constraints:
             return None
         executor, words = self._executor(), self._bitmask(constraints)
@@ -291,7 +292,8 @@ class SlotMasks:
         llnp.fill_next_token_bitmask_par(executor, pairs, words)
         for (c, t), ok in zip(feed, oks):
             c.verdict(t, ok)
-        return self._rows(constraints)
+        rows = self._rows(constraints)
+        return rows, pack(self.bitmask)
 
     def wait(self, vocab: int) -> TokenMask | None:
         """The masks ``start`` began, as ``allowed`` returns them (None: no constrained slot).
@@ -320,7 +322,8 @@ class SlotMasks:
             return None
         llnp.fill_next_token_bitmask_par(self._executor(), [(c.matcher, b) for c, b in constraints],
                                          self._bitmask(constraints))
-        return self._finish(self._rows(constraints), vocab)
+        rows = self._rows(constraints)
+        return self._finish((rows, pack(self.bitmask)), vocab)
 
     def _bitmask(self, constraints: list) -> np.ndarray:
         """The ``(B, words)`` int32 bitmask, every bit set (the rows llguidance does not fill allow every token)."""
@@ -343,8 +346,9 @@ class SlotMasks:
                 rows.append((c, b))
         return rows
 
-    def _finish(self, rows: list | None, vocab: int) -> TokenMask | None:
-        return None if rows is None else allowed_tokens(self.bitmask, vocab)
+    def _finish(self, work: tuple | None, vocab: int) -> TokenMask | None:
+        """``_work``'s ``(rows kept, pack(bitmask))`` as a ``TokenMask`` (None: no constrained slot)."""
+        return None if work is None else packed_tokens(*work[1], vocab)
 
 
 def _constraints(slots) -> list:
@@ -408,6 +412,39 @@ class TokenMask:
 
 
 def allowed_tokens(bitmask: np.ndarray, vocab: int) -> TokenMask:
-    """A llguidance bitmask ``(rows, words)`` int32 on the device (``device_words``) as a ``TokenMask`` over
-    ``vocab`` logits a row."""
-    return TokenMask(device_words(bitmask), vocab)
+    """A llguidance bitmask ``(rows, words)`` int32 on the device as a ``TokenMask`` over ``vocab`` logits a row: one
+    row as it is (``device_words``), more as their distinct rows (``pack``, ``packed_tokens``)."""
+    if bitmask.shape[0] == 1:
+        return TokenMask(device_words(bitmask), vocab)
+    return packed_tokens(*pack(bitmask), vocab)
+
+
+def pack(bitmask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of a bitmask ``(n, words)`` int32 and each row's index among them: ``(rows (k, words)
+    int32, inverse (n,) int32)`` with ``rows[inverse] == bitmask``. A batch's rows in the same grammar state have the
+    same mask (one JSON schema's 16 rows had 5 distinct masks a step, median, on the CPU), so the batch's upload
+    shrinks to the distinct ones. Rows are grouped by a sample of their words (every ``words // 64``-th) and each
+    checked whole against its group's first; a row that differs elsewhere gets an entry of its own."""
+    n, words = bitmask.shape
+    step = max(1, words // 64)
+    sample = np.ascontiguousarray(bitmask[:, ::step])
+    key = sample.view(np.dtype((np.void, sample.shape[1] * sample.itemsize))).ravel()
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    rows, inverse = bitmask[first], inverse.reshape(-1).astype(np.int32)
+    differ = np.flatnonzero(~(bitmask == rows[inverse]).all(axis=1))
+    if len(differ):
+        inverse[differ] = len(rows) + np.arange(len(differ), dtype=np.int32)
+        rows = np.concatenate([rows, bitmask[differ]])
+    return rows, inverse
+
+
+def packed_tokens(rows: np.ndarray, inverse: np.ndarray, vocab: int) -> TokenMask:
+    """``pack``'s ``(rows, inverse)`` on the device in one upload (``device_words``: the rows, then ``inverse`` in
+    the words of the rows after them), expanded there to the ``(n, words)`` ``TokenMask`` over ``vocab`` logits."""
+    k, words = rows.shape
+    n = len(inverse)
+    buf = np.zeros((k + -(-n // words), words), dtype=np.int32)
+    buf[:k] = rows
+    buf[k:].reshape(-1)[:n] = inverse
+    up = device_words(buf)
+    return TokenMask(mx.take(up[:k], up[k:].reshape(-1)[:n], axis=0), vocab)
