@@ -236,9 +236,10 @@ class SlotMasks:
     ``start`` hands one step's work to a worker thread and returns at once: advancing each constrained
     slot's matcher by its token, then at once the masks of their next tokens (two llguidance calls back to
     back, each over every slot in parallel with the GIL released), then each matcher's verdict (kept in
-    ``Constraint.ahead``) and the masks' distinct rows (``pack``: what goes to the device). The host records the step's tokens (``Decoding.record``) meanwhile; ``wait``
-    returns the masks, and after it ``Decoding.settle`` takes the verdicts. Between ``start`` and ``wait``,
-    nothing but the worker may touch those slots' matchers.
+    ``Constraint.ahead``) and the masks' distinct rows (``pack``: what goes to the device). The host records
+    the step's tokens (``Decoding.record``) meanwhile; ``wait`` returns the masks, and after it
+    ``Decoding.settle`` takes the verdicts. Between ``start`` and ``wait``, nothing but the worker may touch
+    those slots' matchers.
 
     While a worker step is in flight the host's Python and the worker share the GIL: the worker needs it
     back after each llguidance call, and Python hands it over only every ``sys.getswitchinterval()``
