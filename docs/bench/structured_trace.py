@@ -182,8 +182,9 @@ def main():
     pack = st.pack
     for name in args.variants.split(","):
         parts = name.split("+")
-        number = lambda prefix, default: next((int(p[len(prefix):]) for p in parts if p.startswith(prefix)),  # noqa: E731
-                                              default)
+        def number(prefix, default, parts=parts):
+            return next((int(p[len(prefix):]) for p in parts if p.startswith(prefix)), default)
+
         st.device_words = device_words if "mx-array" not in parts else (lambda bm: mx.array(bm.view(np.uint32)))
         st.SlotMasks.SWITCH_INTERVAL = None if "switch-off" in parts else interval
         mask_kernel.ENABLED = "no-kernel" not in parts
