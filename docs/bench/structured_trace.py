@@ -117,9 +117,9 @@ def instrument():
     def wait(self, vocab):
         t0 = time.perf_counter()
         job, self._job = self._job, None
-        rows = job.result()
+        packed = job.result()
         t1 = time.perf_counter()
-        out = self._finish(rows, vocab)
+        out = self._finish(packed, vocab)
         SPANS["wait: masks"].append(t1 - t0)
         SPANS["host: upload"].append(time.perf_counter() - t1)
         return out

@@ -283,8 +283,8 @@ class SlotMasks:
 
     def _work(self, constraints: list, feed: list) -> tuple | None:
         """Advance the matchers of ``feed`` (``(Constraint, token)``), fill the masks of ``constraints``
-        (``(Constraint, slot)``), then keep the advanced matchers' verdicts; returns ``_rows``'s rows and the
-        bitmask's ``pack`` (made here, off the host's path)."""
+        (``(Constraint, slot)``), then keep the advanced matchers' verdicts; returns the bitmask's ``pack`` (made
+        here, off the host's path), or None without a constraint."""
         if not constraints:
             return None
         executor, words = self._executor(), self._bitmask(constraints)
@@ -293,8 +293,8 @@ class SlotMasks:
         llnp.fill_next_token_bitmask_par(executor, pairs, words)
         for (c, t), ok in zip(feed, oks):
             c.verdict(t, ok)
-        rows = self._rows(constraints)
-        return rows, pack(self.bitmask)
+        self._rows(constraints)
+        return pack(self.bitmask)
 
     def wait(self, vocab: int) -> TokenMask | None:
         """The masks ``start`` began, as ``allowed`` returns them (None: no constrained slot).
@@ -323,8 +323,8 @@ class SlotMasks:
             return None
         llnp.fill_next_token_bitmask_par(self._executor(), [(c.matcher, b) for c, b in constraints],
                                          self._bitmask(constraints))
-        rows = self._rows(constraints)
-        return self._finish((rows, pack(self.bitmask)), vocab)
+        self._rows(constraints)
+        return self._finish(pack(self.bitmask), vocab)
 
     def _bitmask(self, constraints: list) -> np.ndarray:
         """The ``(B, words)`` int32 bitmask, every bit set (the rows llguidance does not fill allow every token)."""
@@ -334,22 +334,19 @@ class SlotMasks:
         self.bitmask.fill(-1)
         return self.bitmask
 
-    def _rows(self, constraints: list) -> list:
+    def _rows(self, constraints: list) -> None:
         """After llguidance filled ``constraints``' rows: a matcher that has stopped or failed gets every token
         (llguidance gave it EOS alone; its row ends at its last token); the others' stop ids are fixed
-        (``Constraint.fix_stops``). Returns the ``(Constraint, slot)`` of the rows kept."""
-        rows = []
+        (``Constraint.fix_stops``)."""
         for c, b in constraints:
             if c.stopped or c.matcher.is_error():
                 self.bitmask[b] = -1
             else:
                 c.fix_stops(self.bitmask[b])
-                rows.append((c, b))
-        return rows
 
-    def _finish(self, work: tuple | None, vocab: int) -> TokenMask | None:
-        """``_work``'s ``(rows kept, pack(bitmask))`` as a ``TokenMask`` (None: no constrained slot)."""
-        return None if work is None else packed_tokens(*work[1], vocab)
+    def _finish(self, packed: tuple | None, vocab: int) -> TokenMask | None:
+        """``pack(bitmask)`` as a ``TokenMask`` (None: no constrained slot)."""
+        return None if packed is None else packed_tokens(*packed, vocab)
 
 
 def _constraints(slots) -> list:
