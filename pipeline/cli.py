@@ -355,7 +355,8 @@ def _int_list(ctx, param, value):
               help="KV cache kinds, comma-separated: full, rotating:N, q8, q4, rotating-q8:N.")
 @click.option("--variants", default=None,
               help="Engine decode variants to run: eager, compiled, fused (the fused CUDA step; CUDA only), "
-                   "fused-replay (the same step compiled once and replayed) "
+                   "fused-replay (the same step compiled once and replayed), fused-layers (replayed, each layer one "
+                   "kernel) "
                    "[default: eager,compiled]; with --batch-size: "
                    "the engine's compile setting, auto, eager, compiled [default: auto].")
 @click.option("--dequantize/--no-dequantize", default=None,

@@ -84,13 +84,14 @@ def float32_twin(model):
     return model
 
 
-def compare_steps(model, prompt_len=37, steps=6, seed=0, make_caches=None, twin=None):
+def compare_steps(model, prompt_len=37, steps=6, seed=0, make_caches=None, twin=None, one_kernel_layers=False):
     """Run ``steps`` decode steps through the fused decoder and the model; returns the worst relative
     L2 error of the logits and the count of clear-margin argmax disagreements.
 
     With ``twin`` (``float32_twin`` of a copy of the model), also runs it and returns ``(worst error of
     the fused step vs float32, worst error of the model's own compute dtype vs float32, mismatches)``:
-    how close each comes to the exact result of the same weights."""
+    how close each comes to the exact result of the same weights. ``one_kernel_layers``: the decoder runs each
+    layer as one kernel (``FusedDecoder.one_kernel_layers``)."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, model.args.vocab_size, prompt_len).tolist()
     ref_caches, logits = prefilled(model, prompt, make_caches)
@@ -98,6 +99,9 @@ def compare_steps(model, prompt_len=37, steps=6, seed=0, make_caches=None, twin=
     exact = twin is not None
     twin_caches = prefilled(twin, prompt, make_caches)[0] if exact else None
     dec = decoder_for(model)
+    if one_kernel_layers:
+        assert dec.layer_blocker() is None
+    dec.one_kernel_layers = one_kernel_layers
     dec.prepare(fused_caches, prompt_len + steps)
     y = mx.argmax(logits, axis=-1).astype(mx.uint32)
     pos = mx.array([prompt_len], mx.int32)
@@ -207,6 +211,77 @@ def test_rotating_caches(prompt_len):
                                       make_caches=lambda: [RotatingKVCache(64) for _ in range(3)])
     assert worst < 5e-3, worst
     assert mismatches == 0
+
+
+LAYER_CASES = {
+    "llama-q4g64": (dict(), 37),
+    "chunk-edge-255": (dict(), 255),
+    "chunk-edge-256": (dict(), 256),
+    "chunks-700": (dict(), 700),
+    "trad-q4g32": (dict(rope_traditional=True, group_size=32), 37),
+    "q8": (dict(bits=8, group_size=32), 37),
+    "dense": (dict(dense=True), 37),
+    "bf16": (dict(dtype=mx.bfloat16), 37),
+    "qwen2": (dict(model_type="qwen2", tie_word_embeddings=False), 37),
+    "split-q4": (dict(intermediate_size=4096), 37),
+    "hd128": (dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1), 300),
+}
+
+
+@gpu
+@pytest.mark.parametrize("case, prompt_len", LAYER_CASES.values(), ids=list(LAYER_CASES))
+def test_one_kernel_layers_match_the_model(case, prompt_len):
+    """Each layer as ONE kernel (kernels/layer.cu: the five kernels' bodies between grid barriers): the logits
+    match the model's as the five kernels' do, across 256-key attention chunks, every weight kind, q/k/v biases,
+    the split down projection and head size 128."""
+    model = make_model(**case)
+    worst, mismatches = compare_steps(model, prompt_len=prompt_len, steps=4, one_kernel_layers=True)
+    assert worst < (3e-2 if case.get("dtype") is mx.bfloat16 else 5e-3), worst
+    assert mismatches == 0
+
+
+@gpu
+@pytest.mark.parametrize("prompt_len", [1, 64, 200])
+def test_one_kernel_layers_on_rotating_caches(prompt_len):
+    """The one-kernel layer over a 64-slot ring, before, at and after it wraps."""
+    worst, mismatches = compare_steps(make_model(), prompt_len=prompt_len, steps=6, one_kernel_layers=True,
+                                      make_caches=lambda: [RotatingKVCache(64) for _ in range(3)])
+    assert worst < 5e-3, worst
+    assert mismatches == 0
+
+
+@gpu
+def test_one_kernel_layer_on_a_grid_of_one_block(monkeypatch):
+    """A grid of ONE block (``sm_count`` 1): that block runs every virtual block of every phase in turn (and the
+    grid barrier with one block passes at once); the logits still match the model's."""
+    from pipeline.engine.cuda import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "sm_count", lambda: 1)
+    worst, mismatches = compare_steps(make_model(), prompt_len=300, steps=3, one_kernel_layers=True)
+    assert worst < 5e-3, worst
+    assert mismatches == 0
+
+
+@gpu
+def test_one_kernel_layers_replayed_in_the_engine():
+    """The engine's replayed step (``Engine.compile_fused``) with one kernel a layer gives bitwise the tokens and
+    logprobs of the same step built token by token, and, over 40 greedy tokens, nearly the tokens of the five-kernel step
+    (as close as the engine test's unfused and fused steps: the attention's chunks differ, 256 keys against 128)."""
+    model = make_model()
+    prompt = list(range(5, 305))
+    params = GenerateParams(max_tokens=40, ignore_eos=True, logprobs=0)
+    runs = {}
+    for layers, replay in ((True, True), (True, False), (False, True)):
+        eng = Engine(model, [], 2048)
+        eng.fused.one_kernel_layers = layers
+        eng.compile_fused = replay
+        g = eng.generate(prompt, params)
+        assert g.fused
+        runs[layers, replay] = g
+    assert runs[True, True].token_ids == runs[True, False].token_ids
+    assert runs[True, True].logprobs == runs[True, False].logprobs
+    agree = sum(a == b for a, b in zip(runs[True, True].token_ids, runs[False, True].token_ids))
+    assert agree >= 30, (runs[True, True].token_ids, runs[False, True].token_ids)
 
 
 GEMMA_CASES = {
@@ -364,7 +439,7 @@ class _RecordingKernel:
         return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
 
 
-def recorded_step(monkeypatch, **config):
+def recorded_step(monkeypatch, one_kernel_layers=False, **config):
     """One fused step of ``make_model(**config)`` (float32: a fast prefill on a CPU) after a 199-token prefill,
     with ``_RecordingKernel`` standing in for ``mx.fast.cuda_kernel``: ``(model, decoder, caches, launches)``."""
     import pipeline.engine.cuda as fused
@@ -373,6 +448,7 @@ def recorded_step(monkeypatch, **config):
     monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
     _RecordingKernel.launches, _RecordingKernel.sources = [], []
     dec = decoder_for(model)
+    dec.one_kernel_layers = one_kernel_layers
     caches, _ = prefilled(model, list(range(1, 200)))
     dec.prepare(caches, 210)
     logits = dec.step(mx.array([5], mx.uint32), mx.array([199], mx.int32), 199, caches)
@@ -409,6 +485,40 @@ def test_launch_plan_covers_every_output(case, monkeypatch):
             rows = model.args.vocab_size if k["name"] == "pl_gemv_norm" else model.args.hidden_size
             assert warps * fused.units_per_warp(rows, k["name"][8:]) >= rows
     assert dec._scratch.size >= H * 2 * (D + 2)
+
+
+@pytest.mark.parametrize("case", [dict(), dict(model_type="qwen2", tie_word_embeddings=False, bits=8, group_size=32)],
+                         ids=["llama", "qwen2-q8"])
+def test_one_kernel_layers_launch_plan(case, monkeypatch):
+    """The host side of one kernel a layer (runs anywhere): the embedding, ONE launch a layer of one 256-thread
+    block an SM, the vocab projection; each layer's kernel gets its own caches, and its source holds the five
+    phases between four grid barriers, each body's block index replaced by the phase's virtual one."""
+    from pipeline.engine.cuda import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "sm_count", lambda: 132)
+    model, dec, caches, launches = recorded_step(monkeypatch, one_kernel_layers=True, **case)
+    layers = model.args.num_hidden_layers
+    assert [k["name"] for k in launches] == ["pl_embed"] + ["pl_layer"] * layers + ["pl_gemv_norm"]
+    for i, k in enumerate(launches[1:-1]):
+        assert k["grid"] == (132 * 256, 1, 1) and k["threadgroup"] == (256, 1, 1)
+        assert k["inputs"]["kc"] == caches[i].keys.shape
+        assert ("bias" in k["inputs"]) == (case.get("model_type") == "qwen2")
+    src = next(s for s in _RecordingKernel.sources if "pl_grid_sync" in s)
+    assert src.count("pl_grid_sync(bar)") == 4
+    assert "blockIdx.y" not in src and src.count("pl_run(") == 5
+    assert dec.layer_blocker() is None
+
+
+def test_one_kernel_layers_only_for_the_llama_layer(monkeypatch):
+    """Gemma 3's and Qwen 3's decoders (their own q/k/v kernels) say why they have no one-kernel layer; so does any
+    decoder where the SM count cannot be read."""
+    from pipeline.engine.cuda import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "sm_count", lambda: 132)
+    assert decoder_for(make_model(**GEMMA)).layer_blocker() == "Gemma3Decoder has no one-kernel layer"
+    assert decoder_for(make_model(**QWEN3)).layer_blocker() == "Qwen3Decoder has no one-kernel layer"
+    monkeypatch.setattr(decoder_module, "sm_count", lambda: None)
+    assert "SM count" in decoder_for(make_model()).layer_blocker()
 
 
 def test_gemma3_launch_plan(monkeypatch):

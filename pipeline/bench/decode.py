@@ -41,7 +41,9 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
     Models: any model spec (``load_model``'s rules: dtype "auto", the "auto" dequantize rule), or
     random weights of a named real shape (``RANDOM_SHAPES``). ``variants``: ``eager``, ``compiled``,
     ``fused`` (the fused CUDA step, built token by token; listed as skipped where it cannot run),
-    ``fused-replay`` (the same step compiled once and replayed: ``Engine.compile_fused``, what a job runs).
+    ``fused-replay`` (the same step compiled once and replayed: ``Engine.compile_fused``, what a job runs),
+    ``fused-layers`` (replayed, each layer one kernel: ``FusedDecoder.one_kernel_layers``; skipped with the reason
+    where ``layer_blocker`` says it cannot run).
 
     The peer runs our weight format: dequantized to ``dtype`` when ours were (``load_peer``); a ratio
     between rows of different formats is never computed (``vs_peer`` None, with a note).
@@ -70,8 +72,8 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
         raise BenchError("trials, max_tokens and every prompt length must be >= 1")
     kinds = [parse_cache_kind(c) for c in caches]
     for v in variants:
-        if v not in ("eager", "compiled", "fused", "fused-replay"):
-            raise BenchError(f"unknown variant {v!r} (eager, compiled, fused, fused-replay)")
+        if v not in ("eager", "compiled", "fused", "fused-replay", "fused-layers"):
+            raise BenchError(f"unknown variant {v!r} (eager, compiled, fused, fused-replay, fused-layers)")
     dtype = compute_dtype("auto")
     notes: list[str] = []
 
@@ -99,7 +101,13 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                 engine = Engine(ours, eos_token_ids=[], context_length=context, prefill_step_size=prefill_step_size,
                                 compile=variant == "compiled", fused="auto" if variant.startswith("fused") else False,
                                 cache_spec=_cache_spec(kind))
-                engine.compile_fused = variant == "fused-replay"
+                engine.compile_fused = variant in ("fused-replay", "fused-layers")
+                if engine.fused is not None:
+                    why = engine.fused.layer_blocker() if variant == "fused-layers" else None
+                    if why:
+                        skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"], "reason": why})
+                        continue
+                    engine.fused.one_kernel_layers = variant == "fused-layers"
             except (ValueError, NotImplementedError, RowError) as e:
                 skipped.append({"impl": "pipeline", "variant": variant, "cache": kind["name"], "reason": str(e)})
                 continue

@@ -16,7 +16,10 @@ package runs a decoder layer as five custom kernels (``mx.fast.cuda_kernel``) in
 
 plus one kernel for the token's embedding row and one for the final norm + vocab projection
 (``Gemma3Decoder`` fits Gemma 3's layer into the same five, ``Qwen3Decoder`` Qwen 3's per-head q/k
-norms into the first: see their docstrings). Every
+norms into the first: see their docstrings). Where a layer's weights are small
+(``decoder.ONE_KERNEL_MAX_LAYER_BYTES``: SmolLM2-135M's, not Llama-3.2-1B's) launches bound the step, and the
+Llama/Qwen2 layer runs as ONE kernel instead (``FusedDecoder.one_kernel_layers``, ``kernels/layer.cu``: the five
+bodies as phases of one launch, between grid barriers). Every
 projection is a warp-per-row GEMV (the gate/up projection of 4-bit float16 weights: a tensor-core GEMV,
 ``mma.sync`` with exact q * x products, ``kernels/gemv.cu``'s body_mma) over MLX's affine-quantized layout
 (``w`` uint32 words holding
@@ -38,7 +41,8 @@ K/V write, and the attention over each row's own filled slots (see its docstring
 Layout: ``decoder`` (``FusedDecoder``: the Llama and Qwen2 layer; what the kernels read of the weights),
 ``gemma3`` (``Gemma3Decoder``), ``qwen3`` (``Qwen3Decoder``), ``batched`` (``BatchedDecoder``), ``sources``
 (reads and fills in the CUDA text), ``kernels/`` (the CUDA:
-``common.cuh``, the device helpers of every kernel; one ``.cu`` file per kernel; ``calls.cu``, the
+``common.cuh``, the device helpers of every kernel; one ``.cu`` file per kernel; ``layer.cu``, the one-kernel
+layer built from the others' bodies; ``calls.cu``, the
 helper calls they share; package data).
 Each decoder class names the HF ``model_type`` of the families it runs (``model_types``) and what it
 needs of such a model (``blocker``).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,6 +43,18 @@ MMA_GROUPS_IN_FLIGHT = 4
 # outweighs the rows (Qwen2.5-7B shape, H200: gate/up 57.7 us uncapped, 45.9 at 4 a SM, 49.4 at 8, 68.3 at 2).
 # None: uncapped.
 MMA_BLOCKS_PER_SM: int | None = 4
+# A Llama/Qwen2 layer as ONE kernel (kernels/layer.cu: the five kernels' bodies as phases between grid barriers), so
+# the host launches one kernel a layer, not five; ``FusedDecoder.one_kernel_layers``. LAYER_BLOCKS_PER_SM: its
+# grid, blocks of 256 threads an SM (1: every block resident whatever its registers, as the grid barrier needs).
+# LAYER_ATTN_CHUNK: keys a block of its attention phase (one thread a key, so the block's 256 threads).
+# On by default for layers of at most ONE_KERNEL_MAX_LAYER_BYTES of weights, where launches bound the step: H200,
+# replayed, 4-bit g64, prompt 512, alternated in one process (docs/BENCHMARKS.md, 2026-12-04 (night)): SmolLM2-135M
+# (1.8 MB a layer) 448 / 515 -> 894 / 907 tok/s; Llama-3.2-1B (34 MB) 829-984 against 966 / 972 at 2 blocks an SM
+# (no clear win); Qwen2.5-7B (233 MB) 344 / 349 -> 274 (2 an SM) / 299 (3): too few warps for its GEMVs' loads.
+ONE_KERNEL_LAYERS = True
+ONE_KERNEL_MAX_LAYER_BYTES = 8 * 2**20
+LAYER_BLOCKS_PER_SM = 1  # SmolLM2-135M: 885-892 tok/s at 1, 837-847 at 2
+LAYER_ATTN_CHUNK = 256
 
 
 @functools.cache
@@ -74,6 +86,18 @@ def units_per_warp(rows: int, mode: str) -> int:
     if mode == "swiglu":
         return 2 if rows >= 16384 else 1
     return 4 if rows >= 16384 else 2
+
+
+class GemvSource(NamedTuple):
+    """A GEMV's CUDA body (``kernels/gemv.cu`` filled in) and what launching it needs."""
+
+    name: str  # the kernel's name
+    source: str
+    inputs: list[str]  # input names, in order
+    outputs: list[str]
+    warps: int  # warps that cover its rows once
+    n_out: int  # output rows
+    mma: bool  # on tensor cores (body_mma)
 
 
 class Proj:
@@ -164,6 +188,10 @@ class FusedDecoder:
     ``pos % max_size`` of a ``RotatingKVCache`` (``pipeline.engine.cache``: the ring's layout). The buffers
     must be materialized, row-contiguous and long enough (``prepare``).
 
+    ``one_kernel_layers`` (bool, settable): each layer runs as one kernel (``kernels/layer.cu``; True by default
+    where ``layer_blocker`` allows and ``layer_bytes`` <= ``ONE_KERNEL_MAX_LAYER_BYTES``). Its attention splits the
+    keys in chunks of 256, not 128, so its logits match the five kernels' to float rounding, not bitwise.
+
     Raises:
         ValueError (constructor): the model is not supported (``blocker`` gives the reason).
     """
@@ -194,6 +222,17 @@ class FusedDecoder:
         self._kernels: dict = {}
         self._scratch = None
         self._counts = mx.zeros((self.n_heads,), mx.int32)
+        # one_kernel_layers: kernels/layer.cu's state (the grid barrier's count and generation) and the vectors
+        # its phases pass on (q, the attention output, the residual stream after attention, the MLP activation)
+        self.one_kernel_layers = (ONE_KERNEL_LAYERS and self.layer_bytes() <= ONE_KERNEL_MAX_LAYER_BYTES
+                                  and self.layer_blocker() is None)
+        # 64 words: the barrier's two words 128 bytes apart (common.cuh's pl_grid_sync), and more than 8 bytes, which
+        # MLX's CUDA allocator would place in its small pool, managed memory advised read-mostly: there the
+        # barrier's atomics cost ~5 us each (H200: a SmolLM2-135M layer 3.1 ms instead of microseconds)
+        self._barrier = mx.zeros((64,), mx.uint32)
+        inter = max(lay["gu"].out_dim // 2 for lay in self.layers) if "gu" in self.layers[0] else 0
+        self._work = mx.zeros((2 * self.n_heads * self.head_dim + self.hidden + inter,), self.dtype)
+        mx.eval(self._barrier, self._work)
 
     # -- what the kernels need of a model -------------------------------------------------------------
 
@@ -271,21 +310,26 @@ class FusedDecoder:
 
     def _qkv_kernel(self, qkv: Proj, trad: bool, pscale: float, win: int):
         """``kernels/qkv.cu`` for this layer's shapes, and its number of rotation pairs (one warp each)."""
-        H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
-        has_bias = qkv.bias is not None
 
         def make():
-            pairs = (H + 2 * KVH) * D // 2
-            bias = [fill("qkv.cu", "bias", y=f"y{i}", row=f"r{i}") if has_bias else "" for i in (0, 1)]
-            src = fill("qkv.cu", "body", hidden=self.hidden, head_dim=D, n_heads=H, n_kv_heads=KVH, window=win,
-                       vals=qkv.vals(self.dtype), eps=float_literal(self.eps), pairs=pairs, traditional=int(trad),
-                       rows_dot=qkv.rows_dot(2), bias0=bias[0], bias1=bias[1], pos_scale=float_literal(pscale))
-            names = ["x", "nw", *qkv.names(), *(["bias"] if has_bias else []), "inv_freq", "pos", "kc", "vc"]
+            src, names, pairs = self._qkv_source(qkv, trad, pscale, win)
             return mx.fast.cuda_kernel(name="pl_qkv", input_names=names, output_names=["q"], source=src,
                                        header=header()), pairs
 
-        return self._kernel(("qkv", qkv.bits, qkv.group_size, qkv.in_dim, qkv.out_dim, trad, pscale, has_bias, win,
-                             GEMV_UNROLL), make)
+        return self._kernel(("qkv", qkv.bits, qkv.group_size, qkv.in_dim, qkv.out_dim, trad, pscale,
+                             qkv.bias is not None, win, GEMV_UNROLL), make)
+
+    def _qkv_source(self, qkv: Proj, trad: bool, pscale: float, win: int) -> tuple[str, list[str], int]:
+        """``(kernels/qkv.cu's body filled in, its input names, its rotation pairs)``."""
+        H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
+        has_bias = qkv.bias is not None
+        pairs = (H + 2 * KVH) * D // 2
+        bias = [fill("qkv.cu", "bias", y=f"y{i}", row=f"r{i}") if has_bias else "" for i in (0, 1)]
+        src = fill("qkv.cu", "body", hidden=self.hidden, head_dim=D, n_heads=H, n_kv_heads=KVH, window=win,
+                   vals=qkv.vals(self.dtype), eps=float_literal(self.eps), pairs=pairs, traditional=int(trad),
+                   rows_dot=qkv.rows_dot(2), bias0=bias[0], bias1=bias[1], pos_scale=float_literal(pscale))
+        names = ["x", "nw", *qkv.names(), *(["bias"] if has_bias else []), "inv_freq", "pos", "kc", "vc"]
+        return src, names, pairs
 
     def _qkv_norm_kernel(self, lay: dict, res: bool, win: int):
         """``kernels/qkv_norm.cu``: the q/k/v step of a layer with per-head q/k RMSNorms (Gemma 3, Qwen 3), one
@@ -333,15 +377,18 @@ class FusedDecoder:
         """Attention of each head's query over the cache's filled slots: ``0..pos`` (full cache) or
         ``0..min(pos + 1, win) - 1`` (a ring of ``win`` slots: exactly the query's window);
         ``kernels/attn.cu``."""
-        H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
 
         def make():
-            src = fill("attn.cu", "body", head_dim=D, chunk=ATTN_CHUNK, group=H // KVH, window=win,
-                       scale=float_literal(self.scale))
             return mx.fast.cuda_kernel(name="pl_attn", input_names=["q", "kc", "vc", "pos", "scratch", "counts"],
-                                       output_names=["o"], source=src, header=header())
+                                       output_names=["o"], source=self._attn_source(win, ATTN_CHUNK),
+                                       header=header())
 
         return self._kernel(("attn", win), make)
+
+    def _attn_source(self, win: int, chunk: int) -> str:
+        """``kernels/attn.cu``'s body for blocks of ``chunk`` keys (and threads)."""
+        return fill("attn.cu", "body", head_dim=self.head_dim, chunk=chunk, group=self.n_heads // self.n_kv_heads,
+                    window=win, scale=float_literal(self.scale))
 
     # GEMV modes: (prologue staging x, epilogue storing the rows).
     # prologue "copy": x as is; "norm": rms_norm(x, nw); "res" (Gemma 3): hout = h + rms_norm(x, wpost),
@@ -374,42 +421,45 @@ class FusedDecoder:
     def _gemv_kernel(self, proj: Proj, mode: str, proj2: Proj | None = None):
         """``kernels/gemv.cu`` for ``mode`` and these weights: ``(kernel, its warps, its output rows, whether it runs on
         tensor cores)``."""
-        pre, post = self.GEMV_MODES[mode]
         mma = self._mma_problem(proj, mode) is None
 
         def make():
-            if mma:
-                return self._gemv_mma_kernel(proj, mode)
-            pair = post in ("swiglu", "geglu")
-            n_out = proj.out_dim // 2 if post == "swiglu" else proj.out_dim
-            split = pre == "copy" and bool(proj.bits) and proj.in_dim >= SPLIT_MIN_IN  # "copy": plain or residual
-            units = SPLIT_UNITS if split else units_per_warp(2 * n_out if pair else n_out,
-                                                             "swiglu" if pair else mode)
-            r = 2 * units if post == "swiglu" else units
-            if post == "geglu":
-                dots = fill("gemv.cu", "dots_geglu", n_rows=r, gate_dot=proj.rows_dot(r, "g"),
-                            up_dot=proj2.rows_dot(r, "u", "acc2"))
-            else:
-                dots = proj.rows_dot(r, split=split)
-            src = fill("gemv.cu", "body_split" if split else "body", in_dim=proj.in_dim, n_out=n_out,
-                       units=units, prologue=self._prologue(pre, proj.vals(self.dtype)), n_rows=r,
-                       row_index=fill("gemv.cu", "row_index_pair" if post == "swiglu" else "row_index"),
-                       dots=dots, store=fill("gemv.cu", f"store_{post}"))
-            names = list(self.PROLOGUE_INPUTS[pre])
-            names += [*proj.names("g"), *proj2.names("u")] if post == "geglu" else proj.names()
-            names += ["r"] if post == "residual" else []
-            outs = ["out", "hout"] if pre == "res" else ["out"]
-            warps = -(-n_out // units) * (WARPS_PER_BLOCK if split else 1)
-            name = f"pl_gemv_{mode}" + ("_split" if split else "")
-            return mx.fast.cuda_kernel(name=name, input_names=names, output_names=outs, source=src,
-                                       header=header()), warps, n_out, False
+            g = self._gemv_source(proj, mode, proj2)
+            return mx.fast.cuda_kernel(name=g.name, input_names=g.inputs, output_names=g.outputs, source=g.source,
+                                       header=header()), g.warps, g.n_out, g.mma
 
         sig = lambda p: None if p is None else (p.bits, p.group_size, p.in_dim, p.out_dim)  # noqa: E731
         return self._kernel(("gemv", mode, sig(proj), sig(proj2), SPLIT_MIN_IN, SPLIT_UNITS, GEMV_UNROLL, mma,
                              MMA_GROUPS_IN_FLIGHT), make)
 
+    def _gemv_source(self, proj: Proj, mode: str, proj2: Proj | None = None) -> GemvSource:
+        """``kernels/gemv.cu``'s body for ``mode`` and these weights (on tensor cores where ``_mma_problem`` allows)."""
+        pre, post = self.GEMV_MODES[mode]
+        if self._mma_problem(proj, mode) is None:
+            return self._gemv_mma_source(proj, mode)
+        pair = post in ("swiglu", "geglu")
+        n_out = proj.out_dim // 2 if post == "swiglu" else proj.out_dim
+        split = pre == "copy" and bool(proj.bits) and proj.in_dim >= SPLIT_MIN_IN  # "copy": plain or residual
+        units = SPLIT_UNITS if split else units_per_warp(2 * n_out if pair else n_out, "swiglu" if pair else mode)
+        r = 2 * units if post == "swiglu" else units
+        if post == "geglu":
+            dots = fill("gemv.cu", "dots_geglu", n_rows=r, gate_dot=proj.rows_dot(r, "g"),
+                        up_dot=proj2.rows_dot(r, "u", "acc2"))
+        else:
+            dots = proj.rows_dot(r, split=split)
+        src = fill("gemv.cu", "body_split" if split else "body", in_dim=proj.in_dim, n_out=n_out,
+                   units=units, prologue=self._prologue(pre, proj.vals(self.dtype)), n_rows=r,
+                   row_index=fill("gemv.cu", "row_index_pair" if post == "swiglu" else "row_index"),
+                   dots=dots, store=fill("gemv.cu", f"store_{post}"))
+        names = list(self.PROLOGUE_INPUTS[pre])
+        names += [*proj.names("g"), *proj2.names("u")] if post == "geglu" else proj.names()
+        names += ["r"] if post == "residual" else []
+        outs = ["out", "hout"] if pre == "res" else ["out"]
+        warps = -(-n_out // units) * (WARPS_PER_BLOCK if split else 1)
+        return GemvSource(f"pl_gemv_{mode}" + ("_split" if split else ""), src, names, outs, warps, n_out, False)
+
     def _mma_problem(self, proj: Proj, mode: str) -> str | None:
-        """Why mode ``mode`` of ``proj`` does not run on tensor cores (``_gemv_mma_kernel``), or None."""
+        """Why mode ``mode`` of ``proj`` does not run on tensor cores (``_gemv_mma_source``), or None."""
         pre, post = self.GEMV_MODES[mode]
         if mode not in GEMV_MMA_MODES:
             return f"mode {mode} not in GEMV_MMA_MODES"
@@ -421,9 +471,9 @@ class FusedDecoder:
             return f"group size {proj.group_size}"
         return None
 
-    def _gemv_mma_kernel(self, proj: Proj, mode: str):
-        """``kernels/gemv.cu``'s body_mma for ``mode`` (see ``_mma_problem``): the kernel, its warps (8 a block of
-        16 rows, or 8 swiglu row pairs), its output rows and True (``_gemv_kernel``'s tuple)."""
+    def _gemv_mma_source(self, proj: Proj, mode: str) -> GemvSource:
+        """``kernels/gemv.cu``'s body_mma for ``mode`` (see ``_mma_problem``): 8 warps a block of 16 rows (or 8 swiglu
+        row pairs)."""
         pre, post = self.GEMV_MODES[mode]
         pair = post == "swiglu"
         n_out = proj.out_dim // 2 if pair else proj.out_dim
@@ -432,9 +482,8 @@ class FusedDecoder:
                    eps=float_literal(self.eps), groups_in_flight=MMA_GROUPS_IN_FLIGHT,
                    store=fill("gemv.cu", f"store_{post}"))
         names = [*self.PROLOGUE_INPUTS[pre], *proj.names(), *(["r"] if post == "residual" else [])]
-        kern = mx.fast.cuda_kernel(name=f"pl_gemv_{mode}_mma", input_names=names, output_names=["out"], source=src,
-                                   header=header())
-        return kern, -(-n_out // (8 if pair else 16)) * WARPS_PER_BLOCK, n_out, True
+        return GemvSource(f"pl_gemv_{mode}_mma", src, names, ["out"], -(-n_out // (8 if pair else 16)) * WARPS_PER_BLOCK,
+                          n_out, True)
 
     def _embed_kernel(self):
         """``kernels/embed.cu`` for the embedding's layout (and Gemma's scale)."""
@@ -455,6 +504,78 @@ class FusedDecoder:
                                        source=src, header=header())
 
         return self._kernel(("embed",), make)
+
+    # -- one kernel a layer (kernels/layer.cu) -------------------------------------------------------
+
+    def layer_bytes(self) -> int:
+        """Bytes of the largest layer's projection weights (packed words, scales, biases), as a step reads them."""
+        return max(sum(a.nbytes for k in ("qkv", "q", "k", "v", "o", "gu", "gate", "up", "down") if k in lay
+                       for a in lay[k].arrays) for lay in self.layers)
+
+    def layer_blocker(self) -> str | None:
+        """Why this decoder cannot run a layer as one kernel (``one_kernel_layers``), or None: only the Llama/Qwen2
+        layer of this class (not Gemma 3's or Qwen 3's), and the SM count must be known (the grid barrier needs
+        every block resident)."""
+        if type(self)._query is not FusedDecoder._query or type(self).step is not FusedDecoder.step:
+            return f"{type(self).__name__} has no one-kernel layer"
+        if not sm_count():
+            return "the GPU's SM count is unknown (the CUDA driver library could not be read)"
+        return None
+
+    def _layer_kernel(self, lay: dict, win: int):
+        """``kernels/layer.cu`` for this layer's shapes: ``(kernel, its input names)``."""
+        qkv = lay["qkv"]
+        projs = {"qkv": qkv, "o": lay["o"], "gu": lay["gu"], "dn": lay["down"]}
+
+        def make():
+            def weights(prefix: str) -> str:
+                names = projs[prefix].names()
+                return "".join(f"    const auto {n} = {prefix}_{n};\n" for n in names)
+
+            def aliases(pairs: dict[str, str]) -> str:
+                return "".join(f"    {'T*' if out else 'const T*'} const {n} = {v};\n"
+                               for n, (v, out) in pairs.items())
+
+            def virtual(body: str) -> str:
+                return (body.replace("blockIdx.x", "pl_bx").replace("blockIdx.y", "pl_by")
+                        .replace("gridDim.x", "pl_gx"))
+
+            qkv_src, qkv_names, pairs = self._qkv_source(qkv, lay["traditional"], lay["pos_scale"], win)
+            phases = {
+                "qkv": fill("layer.cu", "blocks", blocks=-(-pairs // WARPS_PER_BLOCK), body=virtual(qkv_src),
+                            aliases=aliases({"x": ("hin", False), "q": ("pl_q", True)}) + weights("qkv")),
+                "attn": fill("layer.cu", "heads", window=win, chunk=LAYER_ATTN_CHUNK, n_heads=self.n_heads,
+                             body=virtual(self._attn_source(win, LAYER_ATTN_CHUNK)),
+                             aliases=aliases({"q": ("pl_q", False), "o": ("pl_o", True)})),
+            }
+            for name, prefix, mode, x, extra in (
+                    ("o_proj", "o", "residual", "pl_o", {"r": ("hin", False), "out": ("pl_h", True)}),
+                    ("gate_up", "gu", "swiglu", "pl_h", {"nw": ("pn", False), "out": ("pl_act", True)}),
+                    ("down", "dn", "residual", "pl_act", {"r": ("pl_h", False), "out": ("hout", True)})):
+                g = self._gemv_source(projs[prefix], mode)
+                phases[name] = fill("layer.cu", "strided", body=virtual(g.source),
+                                    aliases=aliases({"x": (x, False), **extra}) + weights(prefix))
+            src = fill("layer.cu", "body", q_size=self.n_heads * self.head_dim, hidden=self.hidden, **phases)
+            names = ["hin", "nw", *[f"qkv_{n}" for n in qkv.names()], *(["bias"] if qkv.bias is not None else []),
+                     "inv_freq", "pos", "kc", "vc", "scratch", "counts", "bar", "work",
+                     *[f"o_{n}" for n in lay["o"].names()], "pn", *[f"gu_{n}" for n in lay["gu"].names()],
+                     *[f"dn_{n}" for n in lay["down"].names()]]
+            return mx.fast.cuda_kernel(name="pl_layer", input_names=names, output_names=["hout"], source=src,
+                                       header=header())
+
+        sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim, p.bias is not None) for p in projs.values())
+        return self._kernel(("layer", sig, lay["traditional"], lay["pos_scale"], win, GEMV_UNROLL, SPLIT_MIN_IN,
+                             SPLIT_UNITS, GEMV_MMA_MODES, MMA_GROUPS_IN_FLIGHT, LAYER_ATTN_CHUNK), make)
+
+    def _layer(self, lay: dict, h: mx.array, pos: mx.array, cache) -> mx.array:
+        """The layer as one kernel (``kernels/layer.cu``): the residual stream ``(hidden,)`` after it; the token's key
+        and value written into ``cache``."""
+        kern = self._layer_kernel(lay, cache.max_size or 0)
+        qkv = lay["qkv"]
+        inputs = [h, lay["in_norm"], *qkv.arrays, *([qkv.bias] if qkv.bias is not None else []), lay["inv_freq"],
+                  pos, cache.keys, cache.values, self._scratch, self._counts, self._barrier, self._work,
+                  *lay["o"].arrays, lay["post_norm"], *lay["gu"].arrays, *lay["down"].arrays]
+        return self._launch(kern, inputs, sm_count() * LAYER_BLOCKS_PER_SM, self.hidden)
 
     # -- the step -------------------------------------------------------------------------------------
 
@@ -498,6 +619,9 @@ class FusedDecoder:
     def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
         h = self._embed(token)
         for lay, c in zip(self.layers, caches):
+            if self.one_kernel_layers:
+                h = self._layer(lay, h, pos, c)
+                continue
             q = self._query(lay, h, pos, c)
             o = self._attend(q, pos, n_ctx, c)
             h = self._gemv(lay["o"], "residual", [o, *lay["o"].arrays, h])

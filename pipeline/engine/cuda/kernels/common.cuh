@@ -328,3 +328,32 @@ __device__ __forceinline__ void pl_mma_rows(const uint32_t* wq, const T* sc, con
   o0 = acc0;
   o1 = acc1;
 }
+
+// Barrier over the whole grid of a kernel whose blocks are all resident at once (pl_layer: at most one block an
+// SM, so any SM can hold it): bar[0] counts the blocks arrived, bar[32] (another 128-byte line, so the waiting
+// blocks' reads do not contend with the arrivals) is the barrier's generation; the last block to arrive resets the
+// count and advances the generation, which the others wait for. The state returns to count 0 after every barrier,
+// so one buffer serves every launch. Writes before the barrier are visible to every block after it (fences before
+// arriving and after leaving, as cooperative_groups' grid sync). A block that waits ~2^34 clock cycles (seconds)
+// traps: a grid too large to be resident fails loudly rather than hanging.
+__device__ __forceinline__ void pl_grid_sync(const unsigned* bar_in) {
+  unsigned* bar = const_cast<unsigned*>(bar_in);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    volatile unsigned* gen = bar + 32;
+    const unsigned g = *gen;
+    __threadfence();
+    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+      atomicExch(bar, 0u);
+      __threadfence();
+      atomicAdd(bar + 32, 1u);
+    } else {
+      const long long t0 = clock64();
+      while (*gen == g) {
+        if (clock64() - t0 > (1ll << 34)) __trap();
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
