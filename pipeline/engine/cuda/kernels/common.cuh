@@ -329,8 +329,7 @@ __device__ __forceinline__ void pl_mma_rows(const uint32_t* wq, const T* sc, con
   o1 = acc1;
 }
 
-// Barrier over the whole grid of a kernel whose blocks are all resident at once (pl_layer: at most one block an
-// SM, so any SM can hold it): bar[0] counts the blocks arrived, bar[32] (another 128-byte line, so the waiting
+// Barrier over the whole grid of a kernel whose blocks are all resident at once (pl_layer's grid: see layer.cu): bar[0] counts the blocks arrived, bar[32] (another 128-byte line, so the waiting
 // blocks' reads do not contend with the arrivals) is the barrier's generation; the last block to arrive resets the
 // count and advances the generation, which the others wait for. The state returns to count 0 after every barrier,
 // so one buffer serves every launch. Writes before the barrier are visible to every block after it (fences before

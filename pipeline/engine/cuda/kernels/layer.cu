@@ -1,12 +1,12 @@
 // pl_layer: a whole Llama/Qwen2 decoder layer in ONE kernel (FusedDecoder.one_kernel_layers): the five kernels
 // of the layer (qkv.cu, attn.cu, and gemv.cu's o, gate/up and down projections) run as phases of one launch,
 // separated by grid barriers (common.cuh's pl_grid_sync), so a token costs the host one launch a layer instead of
-// five. The grid is at most one 256-thread block an SM (all resident: the barrier needs it). Each phase is the
-// other kernels' own body, filled in unchanged except for its block index: blockIdx.x / .y and gridDim.x read
-// pl_bx / pl_by / pl_gx, the virtual block the loop below hands it (a phase's `return` leaves that virtual
-// block). The phases' intermediate vectors live in `work` (q, the attention output, the residual stream after
-// attention, the MLP's activation); inputs named as each body reads them are aliased per phase. Filled in by
-// FusedDecoder._layer_kernel (pipeline/engine/cuda/decoder.py).
+// five. The grid is LAYER_BLOCKS_PER_SM 256-thread blocks an SM (default 1, resident whatever the registers: the
+// barrier needs every block resident). Each phase is the other kernels' own body, filled in unchanged except for
+// its block index: blockIdx.x / .y and gridDim.x read pl_bx / pl_by / pl_gx, the virtual block the loop below
+// hands it (a phase's `return` leaves that virtual block). The phases' intermediate vectors live in `work` (q, the
+// attention output, the residual stream after attention, the MLP's activation); inputs named as each body reads
+// them are aliased per phase. Filled in by FusedDecoder._layer_kernel (pipeline/engine/cuda/decoder.py).
 //
 // blocks: a body run once per virtual block 0..$blocks-1 (qkv.cu: one warp a rotation pair).
 // heads: attn.cu's body over the virtual grid (key chunk, head), the chunks those of the filled slots.
