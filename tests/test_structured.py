@@ -286,6 +286,32 @@ def test_matcher_families_change_no_output(tiny, monkeypatch):
     assert order == sorted(order) and sorted(b for _, b in st._constraints(slots)) == list(range(6))
 
 
+def test_the_worker_reads_the_steps_tokens_and_changes_no_output(tiny, monkeypatch):
+    """With ``BatchEngine.worker_reads`` the masks' worker gets each step's tokens as a device array (the host does
+    not wait for them before it launches the next forward) and the run gives the tokens of the order where the host
+    reads them first, sampled or greedy, with slots refilled mid-run and a stop id that ends a row."""
+    from pipeline.engine.structured import SlotMasks
+
+    eng = tiny.engine
+    stop = eng.tokenizer.encode(" a")[-1]
+    reqs = [Request(k, eng.tokenizer.encode(f"prompt {k}"), GenerateParams(
+        max_tokens=6 + 3 * k, seed=k, temperature=1.0 if k % 2 else 0.0, stop_token_ids=[stop] if k == 2 else (),
+        structured=StructuredOutputsParams(regex=WORD) if k != 3 else None)) for k in range(7)]
+    given = []
+    start = SlotMasks.start
+    monkeypatch.setattr(SlotMasks, "start", lambda self, slots, tokens: (given.append(type(tokens)),
+                                                                         start(self, slots, tokens))[1])
+    runs = {}
+    for worker in (False, True):
+        monkeypatch.setattr(BatchEngine, "worker_reads", worker)
+        given.clear()
+        out = dict(BatchEngine(eng, 3, 256).run(reqs))
+        assert sorted(out) == list(range(7)) and not [g for g in out.values() if isinstance(g, RowError)], out
+        runs[worker] = {tag: (g.token_ids, g.finish_reason) for tag, g in out.items()}
+        assert given and set(given) == ({mx.array} if worker else {list})
+    assert runs[True] == runs[False]
+
+
 def test_a_batch_with_constraints_lowers_the_switch_interval_and_restores_it(tiny):
     """``SlotMasks`` lowers Python's switch interval while its worker runs (so the worker gets the GIL back
     soon after each llguidance call) and puts the old one back when the run ends."""

@@ -9,13 +9,15 @@ start" from the end of its launch), the structured path's wait for the masks (``
 upload, and the worker thread's llguidance calls (``consume_token_par``, the batched mask); with
 ``--cprofile N`` also the host thread's N functions of most own time. Variants (``--variants``), each with
 and without the schema: ``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms
-switch interval kept); ``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``'
+switch interval kept); ``switch-N`` (the interval N microseconds); ``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``'
 ``mx.load``); ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N``
 (llguidance's ``LLExecutor`` with N threads, not its default: 80% of the CPUs, at most 32); ``families-N``
 (``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its own lexer;
 every variant starts from cold lexers; default ``structured.MATCHER_FAMILIES``); variants combine with "+"
 (``threads-8+families-8``); ``unpacked`` (every row of the bitmask uploaded, not only its distinct ones:
-``structured.pack`` returns the bitmask itself). (``launch-first``, the forward launched before the step's tokens were
+``structured.pack`` returns the bitmask itself); ``host-reads`` (``BatchEngine.worker_reads`` off: the host reads a
+step's tokens before it starts their masks and launches the next forward); ``pin`` (the host thread on CPU 0 and
+its SMT siblings, the worker and llguidance's threads on the other CPUs). (``launch-first``, the forward launched before the step's tokens were
 read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
 
 Usage (from the repository root)::
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -97,6 +100,7 @@ class _TimedMx:
 
 
 THREADS: list = [None]  # llguidance LLExecutor threads of the next run (None: its default)
+PIN: list = [None]  # (host CPUs, worker CPUs) of the next run, or None
 
 
 def instrument():
@@ -129,10 +133,13 @@ def instrument():
     st.llnp.fill_next_token_bitmask_par = timed("worker: masks", llnp.fill_next_token_bitmask_par)
     def executor(self):
         if self.executor is None:
+            if PIN[0] is not None:  # on the worker thread: llguidance's threads, made now, inherit its CPUs
+                os.sched_setaffinity(0, PIN[0][1])
             self.executor = llguidance.LLExecutor(THREADS[0])
         return self.executor
 
     cls._executor = executor
+    cls._work = timed("worker: job", cls._work)
     SlotSampler.step = queued("sampling", timed("queue: sampling", SlotSampler.step))
     orig_fn = BatchEngine._step_fn
 
@@ -145,9 +152,15 @@ def instrument():
 def run(lm, prompts, params, b):
     SPANS.clear()
     MARK.clear()
+    every = os.sched_getaffinity(0)
+    if PIN[0] is not None:
+        os.sched_setaffinity(0, PIN[0][0])
     t0 = time.perf_counter()
     engine = BatchEngine(lm.engine, b, max(len(p) for p in prompts) + params.max_tokens)
-    gens = [g for _, g in engine.run([Request(i, p, params) for i, p in enumerate(prompts)])]
+    try:
+        gens = [g for _, g in engine.run([Request(i, p, params) for i, p in enumerate(prompts)])]
+    finally:
+        os.sched_setaffinity(0, every)
     s = time.perf_counter() - t0
     n = sum(len(g.token_ids) for g in gens)
     steps = len(SPANS["forward"])
@@ -186,10 +199,13 @@ def main():
             return next((int(p[len(prefix):]) for p in parts if p.startswith(prefix)), default)
 
         st.device_words = device_words if "mx-array" not in parts else (lambda bm: mx.array(bm.view(np.uint32)))
-        st.SlotMasks.SWITCH_INTERVAL = None if "switch-off" in parts else interval
+        switch = next((p[len("switch-"):] for p in parts if p.startswith("switch-")), None)
+        st.SlotMasks.SWITCH_INTERVAL = interval if switch is None else None if switch == "off" else 1e-6 * int(switch)
         mask_kernel.ENABLED = "no-kernel" not in parts
         st.pack = pack if "unpacked" not in parts else (lambda bm: (bm, np.arange(len(bm), dtype=np.int32)))
         THREADS[0] = number("threads-", None)
+        BatchEngine.worker_reads = "host-reads" not in parts
+        PIN[0] = pin_sets() if "pin" in parts else None
         st.MATCHER_FAMILIES = number("families-", families)
         st._fresh_matcher.cache_clear()  # each run's families start from cold lexers
         for kind, params in settings.items():
@@ -203,6 +219,18 @@ def main():
     print(json.dumps(results[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def pin_sets() -> tuple[set, set]:
+    """(CPU 0 and its SMT siblings, the other CPUs this process may use)."""
+    every = os.sched_getaffinity(0)
+    path = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list")
+    host = {0}
+    if path.exists():
+        for part in path.read_text().strip().split(","):
+            lo, _, hi = part.partition("-")
+            host |= set(range(int(lo), int(hi or lo) + 1))
+    return host & every, every - host
 
 
 def host_profile(lm, prompts, params, b: int, top: int) -> dict:

@@ -147,6 +147,10 @@ class BatchEngine:
     bucket.
     """
 
+    # True: a structured step's tokens are read by the masks' worker (``SlotMasks.start`` takes them on the device)
+    # while the host launches the next forward; False: the host reads them first (to compare the two orders)
+    worker_reads = True
+
     def __init__(self, engine: Engine, batch_size: int, max_positions: int, prefill_batch: bool | None = None,
                  group_tokens: int = PREFILL_TOKENS):
         if batch_size < 1:
@@ -629,19 +633,24 @@ class BatchEngine:
             while current is not None:
                 # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
                 # With a constrained slot the order differs: step t + 1's sampling needs the masks made from
-                # step t's tokens, so those tokens are read first and handed to llguidance on a worker thread
-                # (``SlotMasks.start``), then only step t + 1's forward is queued: the masks are computed while
-                # the host launches that forward (the launch of a step's kernels is most of its host time, with
-                # the GIL released) and records every slot's token; the masked sampling is queued as soon as the
-                # masks are in, then the host takes the grammar verdicts (``Decoding.settle``) and admits new
-                # requests while the device samples.
+                # step t's tokens, so those tokens go to llguidance on a worker thread (``SlotMasks.start``: a
+                # copy queued for it, read there when the device has it), then only step t + 1's forward is
+                # queued: the masks are computed while the host launches that forward (the launch of a step's
+                # kernels is most of its host time, with the GIL released) and records every slot's token; the
+                # masked sampling is queued as soon as the masks are in, then the host takes the grammar
+                # verdicts (``Decoding.settle``) and admits new requests while the device samples.
                 ahead, deferred, toks = None, False, None
                 if any(s is not None and len(s.tokens) + 1 < s.max_tokens for s in slots):
                     deferred = any(s is not None and s.constraint is not None for s in slots)
                     if deferred:
                         at = list(slots)  # the slots as step t + 1 sees them
-                        toks = current[0].tolist()
-                        masks.start(at, toks)
+                        if self.worker_reads:
+                            ids = current[0].astype(mx.int32)  # the worker's own array, queued before the forward
+                            mx.async_eval(ids)
+                            masks.start(at, ids)
+                        else:
+                            toks = current[0].tolist()
+                            masks.start(at, toks)
                     ahead = forward(current[0], current[1], active)
                     if deferred:
                         mx.async_eval(ahead, *self.buffers)

@@ -8,8 +8,9 @@ word, bit ``i % 32`` of word ``i // 32``). The mask goes to the device as that b
 a ``TokenMask``), and the sampler applies it before every sampler setting (``sampler.sample_step``,
 ``batch_sampler.sample_batch``; on MLX's CUDA backend one kernel, ``cuda.mask``). llguidance computes a
 mask with the GIL released, so it runs while the device computes the step's forward (sequential decoding
-queues the forward first, reads the previous token, then computes the mask; the batched loop reads a step's
-tokens, starts their masks on a worker thread, ``SlotMasks``, then launches the next forward).
+queues the forward first, reads the previous token, then computes the mask; the batched loop hands a step's
+tokens, still on the device, to a worker thread, ``SlotMasks``, which reads them and computes their masks while
+the host launches the next forward).
 
 EOS and the request's ``stop_token_ids`` are allowed only where the grammar accepts (llguidance sets the
 EOS bits there; the other stop ids copy them). A request whose matcher has stopped (the grammar admits
@@ -265,28 +266,32 @@ class SlotMasks:
             self.executor = llguidance.LLExecutor()
         return self.executor
 
-    def start(self, slots, tokens: list[int]) -> None:
+    def start(self, slots, tokens: list[int] | mx.array) -> None:
         """Begin, on the worker thread, advancing every constrained slot's matcher by its token ``tokens[b]``
         (a stop id is left unconsumed: it ends its row), computing the masks of the slots' next tokens
         (``allowed``'s) and keeping the verdicts for ``Constraint.consume``. ``slots``: each slot's
-        ``Decoding`` or None, as the step saw them."""
+        ``Decoding`` or None, as the step saw them; ``tokens``: ``(B,)`` ids, a list or a queued device array
+        (``mx.async_eval`` called on it, no other thread touching it) that the worker reads when the device has
+        computed it (the wait releases the GIL), so the caller need not wait for the device first."""
         if self._job is not None:
             raise RuntimeError("SlotMasks.start: the previous step's masks were not waited for")
         constraints = _constraints(slots)
-        feed = [(c, tokens[b]) for c, b in constraints if tokens[b] not in slots[b].stop_ids]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline-masks")
             if self.SWITCH_INTERVAL is not None and sys.getswitchinterval() > self.SWITCH_INTERVAL:
                 self._interval = sys.getswitchinterval()
                 sys.setswitchinterval(self.SWITCH_INTERVAL)
-        self._job = self._pool.submit(self._work, constraints, feed)
+        self._job = self._pool.submit(self._work, constraints, slots, tokens)
 
-    def _work(self, constraints: list, feed: list) -> tuple | None:
-        """Advance the matchers of ``feed`` (``(Constraint, token)``), fill the masks of ``constraints``
-        (``(Constraint, slot)``), then keep the advanced matchers' verdicts; returns the bitmask's ``pack`` (made
-        here, off the host's path), or None without a constraint."""
+    def _work(self, constraints: list, slots, tokens) -> tuple | None:
+        """Read ``tokens`` (a device array: when the device has it), advance ``constraints``' matchers
+        (``(Constraint, slot)``) by their slots' tokens, fill their masks, then keep the advanced matchers'
+        verdicts; returns the bitmask's ``pack`` (made here, off the host's path), or None without a constraint."""
         if not constraints:
             return None
+        if not isinstance(tokens, list):
+            tokens = tokens.tolist()
+        feed = [(c, tokens[b]) for c, b in constraints if tokens[b] not in slots[b].stop_ids]
         executor, words = self._executor(), self._bitmask(constraints)
         pairs = [(c.matcher, b) for c, b in constraints]
         oks = llnp.consume_token_par(executor, [(c.matcher, t) for c, t in feed]) if feed else []
