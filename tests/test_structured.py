@@ -299,8 +299,12 @@ def test_the_worker_reads_the_steps_tokens_and_changes_no_output(tiny, monkeypat
         structured=StructuredOutputsParams(regex=WORD) if k != 3 else None)) for k in range(7)]
     given = []
     start = SlotMasks.start
-    monkeypatch.setattr(SlotMasks, "start", lambda self, slots, tokens: (given.append(type(tokens)),
-                                                                         start(self, slots, tokens))[1])
+
+    def recording_start(self, slots, tokens):
+        given.append(type(tokens))
+        return start(self, slots, tokens)
+
+    monkeypatch.setattr(SlotMasks, "start", recording_start)
     runs = {}
     for worker in (False, True):
         monkeypatch.setattr(BatchEngine, "worker_reads", worker)

@@ -7,18 +7,18 @@ every call; "launch: forward", "launch: sampling", "launch: other" by what was b
 from a step's sampling queued to its tokens read and their masks started ("sampled -> start"; "launched ->
 start" from the end of its launch), the structured path's wait for the masks (``SlotMasks.wait``) and their
 upload, and the worker thread's llguidance calls (``consume_token_par``, the batched mask); with
-``--cprofile N`` also the host thread's N functions of most own time. Variants (``--variants``), each with
-and without the schema: ``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms
-switch interval kept); ``switch-N`` (the interval N microseconds); ``mx-array`` (the bitmask uploaded with ``mx.array``, not ``structured.device_words``'
-``mx.load``); ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off); ``threads-N``
-(llguidance's ``LLExecutor`` with N threads, not its default: 80% of the CPUs, at most 32); ``families-N``
-(``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its own lexer;
-every variant starts from cold lexers; default ``structured.MATCHER_FAMILIES``); variants combine with "+"
-(``threads-8+families-8``); ``unpacked`` (every row of the bitmask uploaded, not only its distinct ones:
+``--cprofile N`` also the host thread's N functions of most own time. Variants (``--variants``), each with and
+without the schema: ``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval
+kept); ``switch-N`` (the interval N microseconds); ``mx-array`` (the bitmask uploaded with ``mx.array``, not
+``structured.device_words``' ``mx.load``); ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off);
+``threads-N`` (llguidance's ``LLExecutor`` with N threads, not its default: 80% of the CPUs, at most 32);
+``families-N`` (``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its
+own lexer; every variant starts from cold lexers; default ``structured.MATCHER_FAMILIES``); variants combine with
+"+" (``threads-8+families-8``); ``unpacked`` (every row of the bitmask uploaded, not only its distinct ones:
 ``structured.pack`` returns the bitmask itself); ``host-reads`` (``BatchEngine.worker_reads`` off: the host reads a
-step's tokens before it starts their masks and launches the next forward); ``pin`` (the host thread on CPU 0 and
-its SMT siblings, the worker and llguidance's threads on the other CPUs). (``launch-first``, the forward launched before the step's tokens were
-read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
+step's tokens before it starts their masks and launches the next forward); ``pin`` (the host thread on CPU 0 and its
+SMT siblings, the worker and llguidance's threads on the other CPUs). (``launch-first``, the forward launched before
+the step's tokens were read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
 
 Usage (from the repository root)::
 

@@ -644,13 +644,12 @@ class BatchEngine:
                     deferred = any(s is not None and s.constraint is not None for s in slots)
                     if deferred:
                         at = list(slots)  # the slots as step t + 1 sees them
-                        if self.worker_reads:
-                            ids = current[0].astype(mx.int32)  # the worker's own array, queued before the forward
-                            mx.async_eval(ids)
-                            masks.start(at, ids)
+                        if self.worker_reads:  # the worker's own array, queued before the forward
+                            given = current[0].astype(mx.int32)
+                            mx.async_eval(given)
                         else:
-                            toks = current[0].tolist()
-                            masks.start(at, toks)
+                            given = toks = current[0].tolist()
+                        masks.start(at, given)
                     ahead = forward(current[0], current[1], active)
                     if deferred:
                         mx.async_eval(ahead, *self.buffers)
