@@ -53,6 +53,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--prompts", default="data_samples/real_prompts_1024.parquet")
+    ap.add_argument("--dequantize", action="store_true",
+                    help="load the weights dequantized (prefill through dense matmuls, not MLX's quantized ones)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -63,7 +65,8 @@ def main() -> int:
 
     from pipeline.loader import load_model
 
-    log = {"env": {k: os.environ.get(k) for k in ("MLX_PTX_CACHE_DIR", "CUDA_CACHE_PATH")}, "phases": []}
+    log = {"env": {k: os.environ.get(k) for k in ("MLX_PTX_CACHE_DIR", "CUDA_CACHE_PATH", "MLX_CUDA_USE_CUDNN_SDPA")},
+           "args": vars(args), "phases": []}
 
     def phase(name: str, t: float, **extra) -> None:
         row = {"phase": name, "s": round(time.time() - t, 3), "at_s": round(time.time() - t0, 3), **counts(), **extra}
@@ -71,7 +74,7 @@ def main() -> int:
         print(json.dumps(row), flush=True)
 
     t = time.time()
-    lm = load_model(args.model, batch_size=args.batch_size)
+    lm = load_model(args.model, batch_size=args.batch_size, dequantize=True if args.dequantize else "auto")
     mx.eval(lm.model.parameters())
     phase("load", t, path=lm.engine.path.name)
     t = time.time()
