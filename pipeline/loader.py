@@ -16,7 +16,7 @@ from .engine.batch import device_memory
 from .engine.structured import StructuredOutputsParams
 from .gguf import read_gguf
 from .modeldir import model_files, read_model_dir, weight_files
-from .models import FAMILIES, build_model, dequantize_model, dequantized_nbytes
+from .models import FAMILIES, build_model, dense_prefill, dequantize_model, dequantized_nbytes
 from .models.base import ConfigError, fuse_projections
 from .resolve import ALIASES, cached_sha256, resolve_model
 from .tokenizer import Tokenizer
@@ -32,6 +32,10 @@ def compute_dtype(name: str = "auto") -> mx.Dtype:
 
 
 DEQUANTIZE_MAX_BYTES = 4 << 30
+# Largest model (its weights expanded to the compute dtype) whose quantized layers take several rows through
+# weights dequantized at the call on a CUDA GPU (``should_dense_prefill``): 1 GiB, read and written again at
+# ~3 TB/s, is ~0.5 ms a prefill chunk.
+DENSE_PREFILL_MAX_BYTES = 1 << 30
 
 
 class WeightsError(ValueError):
@@ -89,11 +93,27 @@ def should_dequantize(model, dtype: mx.Dtype, batch_size: int = 1) -> bool:
     return batch_size > 1 and dequantized_nbytes(model, dtype) <= (device_memory() or 0) // 4
 
 
+def should_dense_prefill(model, dtype: mx.Dtype) -> bool:
+    """Whether a model that keeps its quantized weights should multiply inputs of several rows by weights
+    dequantized at the call (``models.DensePrefillLinear``): on MLX's CUDA backend, for models whose expanded
+    weights take at most ``DENSE_PREFILL_MAX_BYTES``. MLX compiles its multi-row quantized matmuls (CUTLASS)
+    with NVRTC on first use: on an H100 with empty kernel caches the default model's first row started 150 s
+    after the load, 21.6 s with dense prefill matmuls (docs/BENCHMARKS.md, 2026-12-05). For larger models the
+    per-chunk dequantize is not free and was not measured, so they keep MLX's kernels (compiled once per
+    machine into the kernel cache, ``pipeline._kernel_cache``). CPUs and Apple GPUs: False (no compile)."""
+    try:
+        cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    except AttributeError:
+        cuda = False
+    return cuda and dequantized_nbytes(model, dtype) <= DENSE_PREFILL_MAX_BYTES
+
+
 def prepare_model(model, dtype: mx.Dtype, dequantize: str | bool = "auto", batch_size: int = 1,
                   fuse: bool = True) -> bool:
     """What ``load_model`` does to a freshly built model, in place: expand its quantized weights to
     ``dtype`` if ``dequantize`` says so ("auto": ``should_dequantize`` for ``batch_size``), then, with
-    ``fuse``, run the projections that read the same input as one (``models.base.fuse_projections``).
+    ``fuse``, run the projections that read the same input as one (``models.base.fuse_projections``); weights
+    kept quantized take multi-row inputs through dense matmuls where ``should_dense_prefill`` says so.
 
     Returns:
         Whether the weights were dequantized.
@@ -104,6 +124,8 @@ def prepare_model(model, dtype: mx.Dtype, dequantize: str | bool = "auto", batch
         dequantize_model(model, dtype)
     if fuse:
         fuse_projections(model)
+    if not dequantize and should_dense_prefill(model, dtype):
+        dense_prefill(model)
     return bool(dequantize)
 
 

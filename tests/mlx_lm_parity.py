@@ -46,11 +46,14 @@ def rel_err(a: mx.array, b: mx.array) -> float:
 
 
 def compare_with_mlx_lm(config: dict, *, quantization: dict | None = None, prompt_len: int = 40,
-                        decode_steps: int = 20, rtol: float = 1e-4, seed: int = 0, fuse: bool = False) -> dict:
+                        decode_steps: int = 20, rtol: float = 1e-4, seed: int = 0, fuse: bool = False,
+                        dense_prefill: bool = False) -> dict:
     """Prefill ``prompt_len`` random tokens then ``decode_steps`` greedy single-token steps in both
     models (each with its own caches); assert logits agree (max abs error / max abs logit < rtol) and
     greedy tokens are identical; with ``fuse`` our model's projections are fused first (as
-    ``load_model`` does). Returns {"prefill_err", "decode_err", "tokens"}."""
+    ``load_model`` does), and with ``dense_prefill`` its quantized layers take multi-row inputs through
+    dequantized weights (``pipeline.models.dense_prefill``, as ``load_model`` does on a CUDA GPU). Returns
+    {"prefill_err", "decode_err", "tokens"}."""
     from mlx_lm.models.cache import make_prompt_cache
 
     ref, weights, our_config = reference_model(config, quantization, seed)
@@ -59,6 +62,10 @@ def compare_with_mlx_lm(config: dict, *, quantization: dict | None = None, promp
         from pipeline.models.base import fuse_projections
 
         fuse_projections(ours)
+    if dense_prefill:
+        from pipeline.models import dense_prefill as make_dense_prefill
+
+        assert make_dense_prefill(ours) > 0
     mx.random.seed(seed + 1)
     prompt = mx.random.randint(0, config["vocab_size"], (1, prompt_len))
     ref_cache, our_cache = make_prompt_cache(ref), ours.make_cache()

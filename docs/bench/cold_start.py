@@ -55,6 +55,8 @@ def main() -> int:
     ap.add_argument("--prompts", default="data_samples/real_prompts_1024.parquet")
     ap.add_argument("--dequantize", action="store_true",
                     help="load the weights dequantized (prefill through dense matmuls, not MLX's quantized ones)")
+    ap.add_argument("--no-dense-prefill", action="store_true",
+                    help="keep MLX's quantized matmuls for prefill (loader.should_dense_prefill forced off)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -63,7 +65,11 @@ def main() -> int:
     import mlx.core as mx
     import pyarrow.parquet as pq
 
+    from pipeline import loader
     from pipeline.loader import load_model
+
+    if args.no_dense_prefill:
+        loader.should_dense_prefill = lambda model, dtype: False
 
     log = {"env": {k: os.environ.get(k) for k in ("MLX_PTX_CACHE_DIR", "CUDA_CACHE_PATH", "MLX_CUDA_USE_CUDNN_SDPA")},
            "args": vars(args), "phases": []}
@@ -76,7 +82,10 @@ def main() -> int:
     t = time.time()
     lm = load_model(args.model, batch_size=args.batch_size, dequantize=True if args.dequantize else "auto")
     mx.eval(lm.model.parameters())
-    phase("load", t, path=lm.engine.path.name)
+    from pipeline.models import DensePrefillLinear
+
+    phase("load", t, path=lm.engine.path.name,
+          dense_prefill=any(type(m) is DensePrefillLinear for _, m in lm.model.named_modules()))
     t = time.time()
     lm.warm_up()
     phase("warm_up", t)

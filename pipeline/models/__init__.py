@@ -79,6 +79,58 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype) -> None:
         mx.eval(model.parameters())
 
 
+class DensePrefillLinear(nn.QuantizedLinear):
+    """A ``QuantizedLinear`` whose multi-token inputs (a prefill chunk, a scored continuation) are multiplied by
+    its weights dequantized at the call (``mx.dequantize``, then a dense matmul), while a single token (the
+    decode step's GEMV) keeps MLX's quantized kernel and its 4x fewer bytes. Same weights, same values up to
+    the order of float sums.
+
+    Why: on MLX's CUDA backend (0.32) a quantized matmul of more than one row is a CUTLASS kernel that NVRTC
+    compiles on its first use, per tile height (16, 32 or 64 rows) and kernel kind: on an H100 or H200 with
+    empty kernel caches the default model's first prompt waited 50-72 s for four of them (docs/BENCHMARKS.md,
+    2026-12-05), while ``mx.dequantize`` and the dense matmul (cuBLAS) need no compile.
+
+    ``x``: ``(..., input_dims)``; returns ``(..., output_dims)`` in ``x``'s dtype.
+    """
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.size <= x.shape[-1]:  # one row: the quantized GEMV
+            return super().__call__(x)
+        w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
+                          bits=self.bits, mode=self.mode)
+        x = x @ w.astype(x.dtype).T
+        if "bias" in self:
+            x = x + self["bias"]
+        return x
+
+
+class DensePrefillEmbedding(nn.QuantizedEmbedding):
+    """A ``QuantizedEmbedding`` whose ``as_linear`` (a tied output projection) of more than one row uses its
+    weights dequantized at the call, as ``DensePrefillLinear`` (which says why). ``x``: ``(..., dims)``;
+    ``as_linear`` returns ``(..., num_embeddings)``."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if x.size <= x.shape[-1]:
+            return super().as_linear(x)
+        w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
+                          bits=self.bits, mode=self.mode)
+        return x @ w.astype(x.dtype).T
+
+
+def dense_prefill(model: nn.Module) -> int:
+    """Give every quantized Linear/Embedding of ``model`` (in place; call after ``fuse_projections``) the
+    multi-token path of ``DensePrefillLinear`` / ``DensePrefillEmbedding``. Returns how many layers changed."""
+    n = 0
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:
+            m.__class__ = DensePrefillLinear
+            n += 1
+        elif type(m) is nn.QuantizedEmbedding:
+            m.__class__ = DensePrefillEmbedding
+            n += 1
+    return n
+
+
 def dequantized_nbytes(model: nn.Module, dtype: mx.Dtype) -> int:
     """Bytes the model's weights would take with every quantized layer expanded to ``dtype``."""
     n = 0
