@@ -97,8 +97,9 @@ def should_dense_prefill(model, dtype: mx.Dtype) -> bool:
     """Whether a model that keeps its quantized weights should multiply inputs of several rows by weights
     dequantized at the call (``models.DensePrefillLinear``): on MLX's CUDA backend, for models whose expanded
     weights take at most ``DENSE_PREFILL_MAX_BYTES``. MLX compiles its multi-row quantized matmuls (CUTLASS)
-    with NVRTC on first use: on an H100 with empty kernel caches the default model's first row started 150 s
-    after the load, 21.6 s with dense prefill matmuls (docs/BENCHMARKS.md, 2026-12-05). For larger models the
+    with NVRTC on first use: on an H100 with empty kernel caches the default model's first row was done 140.5 s
+    after the load, 23.8 s with dense prefill matmuls, and its warm rate did not change (793-823 tok/s against
+    801; docs/BENCHMARKS.md, 2026-12-05). For larger models the
     per-chunk dequantize is not free and was not measured, so they keep MLX's kernels (compiled once per
     machine into the kernel cache, ``pipeline._kernel_cache``). CPUs and Apple GPUs: False (no compile)."""
     try:

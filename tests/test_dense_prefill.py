@@ -20,6 +20,9 @@ from test_parity_qwen import QWEN2, QWEN3
 
 CONFIGS = [("llama-tied", LLAMA), ("mistral-untied", MISTRAL), ("qwen2-qkv-bias", QWEN2), ("qwen3-qk-norm", QWEN3)]
 QUANT = [{"group_size": 32, "bits": 4}, {"group_size": 64, "bits": 8}]
+# On MLX's CUDA backend float32 matmuls (cuBLAS) and the quantized kernel sum in different orders and
+# precisions: on an H100 the layer below differed by up to ~3e-4; on the CPU by 0 to 1e-6.
+TOL = 2e-3 if mx.default_device() == mx.gpu else 1e-4
 
 
 @pytest.mark.parametrize("name, config", CONFIGS, ids=[c[0] for c in CONFIGS])
@@ -43,7 +46,7 @@ def test_linear_rows_dense_one_row_quantized(bits, group_size, bias):
     assert type(layer.layers[0]) is DensePrefillLinear and isinstance(layer.layers[0], nn.QuantizedLinear)
     got_rows = layer(x)
     assert got_rows.shape == (2, 7, 96) and got_rows.dtype == x.dtype
-    assert mx.allclose(got_rows, want_rows, atol=1e-4, rtol=1e-4).item()
+    assert mx.allclose(got_rows, want_rows, atol=TOL, rtol=TOL).item()
     # the single row is MLX's quantized GEMV itself, bit for bit
     assert mx.array_equal(layer(x[:1, :1]), want_one).item()
     # and the several rows really are the dequantized weights' product (not the quantized kernel again)
@@ -61,7 +64,7 @@ def test_tied_embedding_as_linear_rows_dense():
     want_lookup = e(ids)
     m = nn.Sequential(e)
     assert dense_prefill(m) == 1 and type(m.layers[0]) is DensePrefillEmbedding
-    assert mx.allclose(m.layers[0].as_linear(h), want_rows, atol=1e-4, rtol=1e-4).item()
+    assert mx.allclose(m.layers[0].as_linear(h), want_rows, atol=TOL, rtol=TOL).item()
     assert mx.array_equal(m.layers[0].as_linear(h[:, -1:]), want_one).item()
     assert mx.array_equal(m.layers[0](ids), want_lookup).item()  # the lookup is unchanged
 

@@ -86,9 +86,9 @@ class DensePrefillLinear(nn.QuantizedLinear):
     the order of float sums.
 
     Why: on MLX's CUDA backend (0.32) a quantized matmul of more than one row is a CUTLASS kernel that NVRTC
-    compiles on its first use, per tile height (16, 32 or 64 rows) and kernel kind: on an H100 or H200 with
-    empty kernel caches the default model's first prompt waited 50-72 s for four of them (docs/BENCHMARKS.md,
-    2026-12-05), while ``mx.dequantize`` and the dense matmul (cuBLAS) need no compile.
+    compiles on its first use, per tile height (16, 32 or 64 rows) and kernel kind: on an H200 with empty
+    kernel caches the default model's warm-up and first prompt compiled four of them, 17-34 s each, 104 s in
+    all (docs/BENCHMARKS.md, 2026-12-05), while ``mx.dequantize`` and the dense matmul (cuBLAS) need none.
 
     ``x``: ``(..., input_dims)``; returns ``(..., output_dims)`` in ``x``'s dtype.
     """
