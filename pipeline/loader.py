@@ -113,8 +113,9 @@ def prepare_model(model, dtype: mx.Dtype, dequantize: str | bool = "auto", batch
                   fuse: bool = True) -> bool:
     """What ``load_model`` does to a freshly built model, in place: expand its quantized weights to
     ``dtype`` if ``dequantize`` says so ("auto": ``should_dequantize`` for ``batch_size``), then, with
-    ``fuse``, run the projections that read the same input as one (``models.base.fuse_projections``); weights
-    kept quantized take multi-row inputs through dense matmuls where ``should_dense_prefill`` says so.
+    ``fuse``, run the projections that read the same input as one (``models.base.fuse_projections``); at
+    ``batch_size`` 1, weights kept quantized take multi-row inputs through dense matmuls where
+    ``should_dense_prefill`` says so.
 
     Returns:
         Whether the weights were dequantized.
@@ -125,7 +126,9 @@ def prepare_model(model, dtype: mx.Dtype, dequantize: str | bool = "auto", batch
         dequantize_model(model, dtype)
     if fuse:
         fuse_projections(model)
-    if not dequantize and should_dense_prefill(model, dtype):
+    if not dequantize and batch_size == 1 and should_dense_prefill(model, dtype):
+        # batch 1 only: a batched step's B rows would take the dense path every token (batched jobs of such
+        # models are dequantized by the "auto" rule anyway)
         dense_prefill(model)
     return bool(dequantize)
 

@@ -98,6 +98,8 @@ def test_load_model_turns_it_on_only_where_the_rule_says(default_model_path, mon
     ids = lm.tokenizer.encode("The capital of France is")
     out = lm.engine.generate(ids, pipeline.engine.GenerateParams(max_tokens=4, temperature=0.0))
     assert len(out.token_ids) == 4 and "Paris" in lm.tokenizer.decode(out.token_ids)
+    lm = pipeline.load_model(path=default_model_path, dequantize=False, batch_size=4)  # batched: never
+    assert not any(isinstance(m, DensePrefillLinear) for _, m in lm.model.named_modules())
     lm = pipeline.load_model(path=default_model_path, dequantize=True)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in lm.model.named_modules())
 
