@@ -33,8 +33,8 @@ def compute_dtype(name: str = "auto") -> mx.Dtype:
 
 DEQUANTIZE_MAX_BYTES = 4 << 30
 # Largest model (its weights expanded to the compute dtype) whose quantized layers take several rows through
-# weights dequantized at the call on a CUDA GPU (``should_dense_prefill``): 1 GiB, read and written again at
-# ~3 TB/s, is ~0.5 ms a prefill chunk.
+# weights dequantized at the call on a CUDA GPU (``should_dense_prefill``). An estimate, not a measurement: the
+# dequantized copy written and read again (~2 GiB of traffic at ~3 TB/s) adds under ~1 ms to a prefill chunk.
 DENSE_PREFILL_MAX_BYTES = 1 << 30
 
 
@@ -99,9 +99,9 @@ def should_dense_prefill(model, dtype: mx.Dtype) -> bool:
     weights take at most ``DENSE_PREFILL_MAX_BYTES``. MLX compiles its multi-row quantized matmuls (CUTLASS)
     with NVRTC on first use: on an H100 with empty kernel caches the default model's first row was done 140.5 s
     after the load, 23.8 s with dense prefill matmuls, and its warm rate did not change (793-823 tok/s against
-    801; docs/BENCHMARKS.md, 2026-12-05). For larger models the
-    per-chunk dequantize is not free and was not measured, so they keep MLX's kernels (compiled once per
-    machine into the kernel cache, ``pipeline._kernel_cache``). CPUs and Apple GPUs: False (no compile)."""
+    801; docs/BENCHMARKS.md, 2026-12-05). For larger models the per-chunk dequantize is not free and was not
+    measured, so they keep MLX's kernels (compiled once per machine into the kernel cache,
+    ``pipeline._kernel_cache``). CPUs and Apple GPUs: False (no compile)."""
     try:
         cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
     except AttributeError:
