@@ -102,11 +102,8 @@ def should_dense_prefill(model, dtype: mx.Dtype) -> bool:
     801; docs/BENCHMARKS.md, 2026-12-05). For larger models the per-chunk dequantize is not free and was not
     measured, so they keep MLX's kernels (compiled once per machine into the kernel cache,
     ``pipeline._kernel_cache``). CPUs and Apple GPUs: False (no compile)."""
-    try:
-        cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    except AttributeError:
-        cuda = False
-    return cuda and dequantized_nbytes(model, dtype) <= DENSE_PREFILL_MAX_BYTES
+    return (mx.cuda.is_available() and mx.default_device() == mx.gpu
+            and dequantized_nbytes(model, dtype) <= DENSE_PREFILL_MAX_BYTES)
 
 
 def prepare_model(model, dtype: mx.Dtype, dequantize: str | bool = "auto", batch_size: int = 1,

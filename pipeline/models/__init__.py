@@ -56,6 +56,13 @@ def build_model(config: dict, weights: dict[str, mx.array], dtype: mx.Dtype = mx
     return model
 
 
+def dequantized_weight(m: nn.Module, dtype: mx.Dtype) -> mx.array:
+    """The weight of a quantized Linear/Embedding ``m`` expanded to ``dtype`` (``scale * q + bias``),
+    ``(output_dims, input_dims)`` (an embedding: ``(num_embeddings, dims)``)."""
+    return mx.dequantize(m["weight"], m["scales"], m.get("biases"), group_size=m.group_size, bits=m.bits,
+                         mode=m.mode).astype(dtype)
+
+
 def dequantize_model(model: nn.Module, dtype: mx.Dtype) -> None:
     """Replace every quantized Linear/Embedding of ``model`` in place by a plain one of ``dtype``
     holding the same values (``scale * q + bias``), after mlx-lm's ``mlx_lm.utils.dequantize_model``.
@@ -64,7 +71,7 @@ def dequantize_model(model: nn.Module, dtype: mx.Dtype) -> None:
     replaced = []
     for path, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(dtype)
+            w = dequantized_weight(m, dtype)
             if isinstance(m, nn.QuantizedLinear):
                 out_dims, in_dims = w.shape
                 new = nn.Linear(in_dims, out_dims, bias="bias" in m)
@@ -96,9 +103,7 @@ class DensePrefillLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if x.size <= x.shape[-1]:  # one row: the quantized GEMV
             return super().__call__(x)
-        w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                          bits=self.bits, mode=self.mode)
-        x = x @ w.astype(x.dtype).T
+        x = x @ dequantized_weight(self, x.dtype).T
         if "bias" in self:
             x = x + self["bias"]
         return x
@@ -112,9 +117,7 @@ class DensePrefillEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         if x.size <= x.shape[-1]:
             return super().as_linear(x)
-        w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                          bits=self.bits, mode=self.mode)
-        return x @ w.astype(x.dtype).T
+        return x @ dequantized_weight(self, x.dtype).T
 
 
 def dense_prefill(model: nn.Module) -> int:
