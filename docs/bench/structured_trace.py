@@ -9,8 +9,8 @@ start" from the end of its launch), the structured path's wait for the masks (``
 upload, and the worker thread's llguidance calls (``consume_token_par``, the batched mask); with
 ``--cprofile N`` also the host thread's N functions of most own time. Variants (``--variants``), each with and
 without the schema: ``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval
-kept); ``switch-N`` (the interval N microseconds); ``mx-array`` (the bitmask uploaded with ``mx.array``, not
-``structured.device_words``' ``mx.load``); ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off);
+kept); ``switch-N`` (the interval N microseconds); ``mx-array`` (every bitmask uploaded with ``mx.array``);
+``mx-load`` (every bitmask uploaded with ``mx.load``: ``structured.LOAD_MIN_BYTES`` 0); ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off);
 ``threads-N`` (llguidance's ``LLExecutor`` with N threads, not its default: 80% of the CPUs, at most 32);
 ``families-N`` (``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its
 own lexer; every variant starts from cold lexers; default ``structured.MATCHER_FAMILIES``); variants combine with
@@ -179,7 +179,7 @@ def main():
     ap.add_argument("--variants", default="default")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cprofile", type=int, default=0,
-                    help="also profile the first variant's JSON run with cProfile (the host thread) and print its "
+                    help="also profile the first variant's runs (plain and JSON) with cProfile (the host thread) and print its "
                          "N functions of most own time")
     args = ap.parse_args()
     schema = yaml.safe_load((ROOT / "jobs/bench_structured.yaml").read_text())["generation"]["structured"]["json"]
@@ -192,6 +192,7 @@ def main():
         run(lm, prompts[: args.batch_size], GenerateParams(max_tokens=8, structured=params.structured), args.batch_size)
     results = []
     device_words, interval, families = st.device_words, st.SlotMasks.SWITCH_INTERVAL, st.MATCHER_FAMILIES
+    load_min = st.LOAD_MIN_BYTES
     pack = st.pack
     for name in args.variants.split(","):
         parts = name.split("+")
@@ -199,6 +200,7 @@ def main():
             return next((int(p[len(prefix):]) for p in parts if p.startswith(prefix)), default)
 
         st.device_words = device_words if "mx-array" not in parts else (lambda bm: mx.array(bm.view(np.uint32)))
+        st.LOAD_MIN_BYTES = 0 if "mx-load" in parts else load_min
         switch = next((p[len("switch-"):] for p in parts if p.startswith("switch-")), None)
         st.SlotMasks.SWITCH_INTERVAL = interval if switch is None else None if switch == "off" else 1e-6 * int(switch)
         mask_kernel.ENABLED = "no-kernel" not in parts
@@ -212,8 +214,8 @@ def main():
             row = {"variant": name, "kind": kind, **run(lm, prompts, params, args.batch_size)}
             print(json.dumps(row), flush=True)
             results.append(row)
-            if args.cprofile and kind == "json" and len(results) == 2:
-                results.append(host_profile(lm, prompts, params, args.batch_size, args.cprofile))
+            if args.cprofile and name == args.variants.split(",")[0]:
+                results.append({"kind": kind, **host_profile(lm, prompts, params, args.batch_size, args.cprofile)})
                 print(json.dumps(results[-1]), flush=True)
     results.append(upload_costs(args.batch_size, lm.tokenizer.vocab_size))
     print(json.dumps(results[-1]), flush=True)
@@ -253,21 +255,29 @@ def host_profile(lm, prompts, params, b: int, top: int) -> dict:
 
 
 def upload_costs(rows: int, vocab: int, trials: int = 30) -> dict:
-    """Median ms of one step's mask on the device (a random bitmask of ``rows`` rows uploaded, then applied to
-    ``(rows, vocab)`` float32 logits, evaluated), by ``mx.array`` and by ``structured.device_words``."""
+    """Median ms of one step's mask on the device (a random bitmask of 1, 8, 32 and ``rows`` rows uploaded, then
+    applied to as many rows of float32 logits, evaluated; and the host's part: the upload's call alone), by
+    ``mx.array`` and by ``mx.load`` (``structured.device_words`` with ``LOAD_MIN_BYTES`` 0)."""
     words = (vocab + 31) // 32
-    bm = np.random.default_rng(0).integers(-2**31, 2**31 - 1, size=(rows, words), dtype=np.int64).astype(np.int32)
-    x = mx.zeros((rows, vocab), mx.float32)
-    mx.eval(x)
     out = {"upload_rows": rows}
-    for name, up in (("mx.array", lambda b: mx.array(b.view(np.uint32))), ("device_words", st.device_words)):
-        ts = []
-        for k in range(trials + 5):
-            bm[0, 0] += 1
-            t0 = time.perf_counter()
-            mx.eval(st.TokenMask(up(bm), vocab).apply(x))
-            ts.append(time.perf_counter() - t0)
-        out[f"{name}_ms"] = round(1e3 * statistics.median(ts[5:]), 3)
+    limit = st.LOAD_MIN_BYTES
+    for n in sorted({1, 8, 32, rows}):
+        bm = np.random.default_rng(n).integers(-2**31, 2**31 - 1, size=(n, words), dtype=np.int64).astype(np.int32)
+        x = mx.zeros((n, vocab), mx.float32)
+        mx.eval(x)
+        for name, min_bytes in (("mx.array", 1 << 62), ("mx.load", 0)):
+            st.LOAD_MIN_BYTES = min_bytes
+            ts, host = [], []
+            for k in range(trials + 5):
+                bm[0, 0] += 1
+                t0 = time.perf_counter()
+                up = st.device_words(bm)
+                host.append(time.perf_counter() - t0)
+                mx.eval(st.TokenMask(up, vocab).apply(x))
+                ts.append(time.perf_counter() - t0)
+            out[f"{name}_{n}_rows_ms"] = round(1e3 * statistics.median(ts[5:]), 3)
+            out[f"{name}_{n}_rows_host_ms"] = round(1e3 * statistics.median(host[5:]), 3)
+    st.LOAD_MIN_BYTES = limit
     return out
 
 

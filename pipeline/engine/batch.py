@@ -683,6 +683,8 @@ class BatchEngine:
                     at = [d if d is not None and slots[b] is d else None for b, d in enumerate(at)]
                     ahead = sample(ahead, at, masks.wait(ahead[0].shape[-1]))
                     for b, recorded in later:
+                        if recorded is None and slots[b].constraint.continues(toks[b]):
+                            continue  # the grammar accepted the token and the value goes on: ``settle`` has nothing to do
                         end(b, functools.partial(slots[b].settle, toks[b], recorded))
                 changed = bool(out)  # a request ended: its slot is free
                 seated = {}

@@ -208,6 +208,16 @@ class Constraint:
         ok = ok and not self.matcher.is_error()
         self.ahead = (token, ok, self.matcher.is_stopped(), "" if ok else self.matcher.get_error())
 
+    def continues(self, token: int) -> bool:
+        """Take the worker's verdict on ``token`` (``verdict``) where it lets the request go on (accepted, the value
+        not complete): True, as ``consume(token)`` followed by a False ``stopped``; else False, the verdict kept
+        for ``consume``. The batched loop's shortcut for the usual step."""
+        ahead = self.ahead
+        if ahead is None or ahead[0] != token or not ahead[1] or ahead[2]:
+            return False
+        self.ahead, self._stopped = None, False
+        return True
+
     @property
     def stopped(self) -> bool:
         """The grammar admits no further token: the value is complete."""
@@ -270,23 +280,24 @@ class SlotMasks:
         """Begin, on the worker thread, advancing every constrained slot's matcher by its token ``tokens[b]``
         (a stop id is left unconsumed: it ends its row), computing the masks of the slots' next tokens
         (``allowed``'s) and keeping the verdicts for ``Constraint.consume``. ``slots``: each slot's
-        ``Decoding`` or None, as the step saw them; ``tokens``: ``(B,)`` ids, a list or a queued device array
+        ``Decoding`` or None, as the step saw them (a list the caller leaves unchanged until ``wait``: the worker
+        reads it); ``tokens``: ``(B,)`` ids, a list or a queued device array
         (``mx.async_eval`` called on it, no other thread touching it) that the worker reads when the device has
         computed it (the wait releases the GIL), so the caller need not wait for the device first."""
         if self._job is not None:
             raise RuntimeError("SlotMasks.start: the previous step's masks were not waited for")
-        constraints = _constraints(slots)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeline-masks")
             if self.SWITCH_INTERVAL is not None and sys.getswitchinterval() > self.SWITCH_INTERVAL:
                 self._interval = sys.getswitchinterval()
                 sys.setswitchinterval(self.SWITCH_INTERVAL)
-        self._job = self._pool.submit(self._work, constraints, slots, tokens)
+        self._job = self._pool.submit(self._work, slots, tokens)
 
-    def _work(self, constraints: list, slots, tokens) -> tuple | None:
-        """Read ``tokens`` (a device array: when the device has it), advance ``constraints``' matchers
-        (``(Constraint, slot)``) by their slots' tokens, fill their masks, then keep the advanced matchers'
-        verdicts; returns the bitmask's ``pack`` (made here, off the host's path), or None without a constraint."""
+    def _work(self, slots, tokens) -> tuple | None:
+        """Read ``tokens`` (a device array: when the device has it), advance the constrained slots' matchers
+        (``_constraints``) by their tokens, fill their masks, then keep the advanced matchers' verdicts; returns the
+        bitmask's ``pack`` (all of it made here, off the host's path), or None without a constraint."""
+        constraints = _constraints(slots)
         if not constraints:
             return None
         if not isinstance(tokens, list):
@@ -342,12 +353,18 @@ class SlotMasks:
     def _rows(self, constraints: list) -> None:
         """After llguidance filled ``constraints``' rows: a matcher that has stopped or failed gets every token
         (llguidance gave it EOS alone; its row ends at its last token); the others' stop ids are fixed
-        (``Constraint.fix_stops``)."""
+        (``Constraint.fix_stops``). A matcher the worker has just advanced is judged by its verdict
+        (``Constraint.ahead``), which holds both answers already."""
+        bitmask = self.bitmask
         for c, b in constraints:
-            if c.stopped or c.matcher.is_error():
-                self.bitmask[b] = -1
+            if c.ahead is not None:
+                ends = not c.ahead[1] or c.ahead[2]  # rejected, failed or stopped
             else:
-                c.fix_stops(self.bitmask[b])
+                ends = c.stopped or c.matcher.is_error()
+            if ends:
+                bitmask[b] = -1
+            elif c.extra_stops:
+                c.fix_stops(bitmask[b])
 
     def _finish(self, packed: tuple | None, vocab: int) -> TokenMask | None:
         """``pack(bitmask)`` as a ``TokenMask`` (None: no constrained slot)."""
@@ -362,19 +379,24 @@ def _constraints(slots) -> list:
 
 _BIT = mx.arange(32, dtype=mx.uint32)
 _UPLOAD: list = []  # the stream the bitmasks are copied to the GPU on (CUDA), made at first use
+# Bitmasks of at least this many bytes go to a CUDA device by ``mx.load`` (a copy into device memory), smaller ones
+# by ``mx.array`` (CUDA managed memory): ``mx.load``'s host time (the ``.npy`` bytes written and parsed) is what a
+# small upload costs, while a large one read by page faults costs the device more (docs/BENCHMARKS.md, 2026-12-06).
+LOAD_MIN_BYTES = 256 * 1024
 
 
 def device_words(bitmask: np.ndarray) -> mx.array:
     """A llguidance bitmask ``(rows, words)`` int32 on the default device as uint32 (on CUDA lazy: the copy runs
     when the array is evaluated).
 
-    On MLX's CUDA backend the copy goes through ``mx.load`` of the bitmask's ``.npy`` bytes on a stream of
-    its own: MLX's ``Load`` copies host bytes into device memory with ``cudaMemcpyAsync``, where
-    ``mx.array(bitmask)`` lands in CUDA managed memory that the GPU then reads by page faults (on an H200,
-    256 rows of a 49,152-token vocabulary uploaded and applied: 1.08 ms this way, 1.42 ms by ``mx.array``,
-    docs/BENCHMARKS.md); its own stream, so the copy waits for nothing queued on the default one."""
+    On MLX's CUDA backend a bitmask of ``LOAD_MIN_BYTES`` or more goes through ``mx.load`` of its ``.npy`` bytes on
+    a stream of its own: MLX's ``Load`` copies host bytes into device memory with ``cudaMemcpyAsync``, where
+    ``mx.array(bitmask)`` lands in CUDA managed memory that the GPU then reads by page faults (on an H200, 256
+    rows of a 49,152-token vocabulary uploaded and applied: 1.08 ms this way, 1.42 ms by ``mx.array``,
+    docs/BENCHMARKS.md); its own stream, so the copy waits for nothing queued on the default one. A smaller one
+    (one request's row, a batch's distinct rows) goes by ``mx.array``, whose host time is shorter."""
     words = bitmask.view(np.uint32)
-    if not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
+    if words.nbytes < LOAD_MIN_BYTES or not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
         return mx.array(words)
     if not _UPLOAD:
         _UPLOAD.append(mx.new_stream(mx.gpu))
