@@ -261,6 +261,23 @@ def test_a_packed_bitmask_is_its_rows():
     assert np.array_equal(np.array(one.words), bitmask[:1].view(np.uint32))
 
 
+@pytest.mark.parametrize("load_min_bytes", [0, 1 << 62])
+def test_a_bitmask_uploads_the_same_words_by_either_copy(monkeypatch, load_min_bytes):
+    """``device_words`` gives the bitmask's own words whether it takes the ``mx.load`` copy (``LOAD_MIN_BYTES`` 0:
+    every bitmask) or ``mx.array`` (a limit no bitmask reaches); on the CPU both are ``mx.array``, on MLX's CUDA
+    backend each runs its own copy."""
+    import numpy as np
+
+    from pipeline.engine import structured as st
+
+    monkeypatch.setattr(st, "LOAD_MIN_BYTES", load_min_bytes)
+    rng = np.random.default_rng(load_min_bytes % 7)
+    for rows in (1, 3, 64):
+        bitmask = rng.integers(-2**31, 2**31 - 1, size=(rows, 1536), dtype=np.int64).astype(np.int32)
+        words = st.device_words(bitmask)
+        assert words.dtype == mx.uint32 and np.array_equal(np.array(words), bitmask.view(np.uint32))
+
+
 def test_matcher_families_change_no_output(tiny, monkeypatch):
     """Matchers copied from several fresh matchers of their grammar (``MATCHER_FAMILIES``, each family its own
     lexer) give the tokens one family gives, sampled or greedy, and the batched calls list them family by family."""
