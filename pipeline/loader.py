@@ -13,6 +13,7 @@ from . import _blas
 from .engine.compiled import warn_if_no_cpu_compile
 from .engine import Engine, GenerateParams, Request
 from .engine.batch import device_memory
+from .engine.cuda.backend import on_cuda
 from .engine.structured import StructuredOutputsParams
 from .gguf import read_gguf
 from .modeldir import model_files, read_model_dir, weight_files
@@ -102,8 +103,7 @@ def should_dense_prefill(model, dtype: mx.Dtype) -> bool:
     801; docs/BENCHMARKS.md, 2026-12-05). For larger models the per-chunk dequantize is not free and was not
     measured, so they keep MLX's kernels (compiled once per machine into the kernel cache,
     ``pipeline._kernel_cache``). CPUs and Apple GPUs: False (no compile)."""
-    return (mx.cuda.is_available() and mx.default_device() == mx.gpu
-            and dequantized_nbytes(model, dtype) <= DENSE_PREFILL_MAX_BYTES)
+    return on_cuda() and dequantized_nbytes(model, dtype) <= DENSE_PREFILL_MAX_BYTES
 
 
 def prepare_model(model, dtype: mx.Dtype, dequantize: str | bool = "auto", batch_size: int = 1,

@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import JobSpecError, RowError
+from .cuda.backend import on_cuda
 from .cuda.mask import mask_kernel
 
 KEYS = ("json", "json_object", "regex", "choice", "grammar")
@@ -396,7 +397,7 @@ def device_words(bitmask: np.ndarray) -> mx.array:
     docs/BENCHMARKS.md); its own stream, so the copy waits for nothing queued on the default one. A smaller one
     (one request's row, a batch's distinct rows) goes by ``mx.array``, whose host time is shorter."""
     words = bitmask.view(np.uint32)
-    if words.nbytes < LOAD_MIN_BYTES or not (mx.cuda.is_available() and mx.default_device() == mx.gpu):
+    if words.nbytes < LOAD_MIN_BYTES or not on_cuda():
         return mx.array(words)
     if not _UPLOAD:
         _UPLOAD.append(mx.new_stream(mx.gpu))

@@ -53,6 +53,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..cache import KVCache, RotatingKVCache
+from .backend import on_cuda
 from .batched import BatchedDecoder, batched_blocker
 from .decoder import FusedDecoder, units_per_warp
 from .gemma3 import Gemma3Decoder
@@ -89,7 +90,7 @@ def fused_blocker(model, caches) -> str | None:
     """Why the engine cannot decode ``model`` with these caches through the fused step, or None: only
     MLX's CUDA backend, dense caches (``KVCache`` or ``RotatingKVCache``, not quantized), and
     ``model_blocker``."""
-    if not mx.cuda.is_available() or mx.default_device() != mx.gpu:
+    if not on_cuda():
         return "not on MLX's CUDA backend"
     if any(type(c) not in (KVCache, RotatingKVCache) for c in caches):
         return "quantized KV caches"

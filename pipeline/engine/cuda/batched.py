@@ -32,6 +32,7 @@ from typing import ClassVar
 import mlx.core as mx
 import numpy as np
 
+from .backend import on_cuda
 from .decoder import FusedDecoder
 from .sources import fill, float_literal, header
 
@@ -252,6 +253,6 @@ class BatchedDecoder:
 def batched_blocker(model, kinds) -> str | None:
     """Why ``BatchEngine`` cannot decode ``model`` over these layer kinds through ``BatchedDecoder``, or
     None: only on MLX's CUDA backend (the default device a GPU), then ``BatchedDecoder.blocker``."""
-    if not mx.cuda.is_available() or mx.default_device() != mx.gpu:
+    if not on_cuda():
         return "not on MLX's CUDA backend"
     return BatchedDecoder.blocker(model, kinds)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .backend import on_cuda
 from .sources import fill
 
 THREADS = 256
@@ -21,7 +22,7 @@ def mask_kernel(x: mx.array):
     """The kernel's call for logits ``x`` ``(rows, V)`` (float32, float16 or bfloat16), or None where it does
     not run (not MLX's CUDA backend or not the default GPU, another rank, ``ENABLED`` off). The call:
     ``(x, words)`` with ``words`` ``(rows, W)`` uint32 -> ``(rows, V)`` float32."""
-    if not ENABLED or x.ndim != 2 or not mx.cuda.is_available() or mx.default_device() != mx.gpu:
+    if not ENABLED or x.ndim != 2 or not on_cuda():
         return None
     return _call
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .backend import on_cuda
 from .sources import fill
 
 THREADS = 1024
@@ -26,8 +27,7 @@ def sample_kernel(x: mx.array):
     """The kernel's call for logits ``x`` ``(rows, V)`` float32, or None where it does not run (not MLX's
     CUDA backend, another dtype or rank, ``ENABLED`` off). The call: ``(x, top_k, top_p, min_p, u, filters)``
     with scalars or ``(rows, 1)`` settings -> ``(rows,)`` uint32 tokens."""
-    if not ENABLED or x.ndim != 2 or x.dtype != mx.float32 or not mx.cuda.is_available() \
-            or mx.default_device() != mx.gpu:
+    if not ENABLED or x.ndim != 2 or x.dtype != mx.float32 or not on_cuda():
         return None
     return _call
 
