@@ -7,10 +7,12 @@ every call; "launch: forward", "launch: sampling", "launch: other" by what was b
 from a step's sampling queued to its tokens read and their masks started ("sampled -> start"; "launched ->
 start" from the end of its launch), the structured path's wait for the masks (``SlotMasks.wait``) and their
 upload, and the worker thread's llguidance calls (``consume_token_par``, the batched mask); with
-``--cprofile N`` also the host thread's N functions of most own time. Variants (``--variants``), each with and
+``--cprofile N`` also the N functions of most own time (Python 3.12's cProfile sees every thread, the masks'
+worker included). Variants (``--variants``), each with and
 without the schema: ``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` None: Python's 5 ms switch interval
 kept); ``switch-N`` (the interval N microseconds); ``mx-array`` (every bitmask uploaded with ``mx.array``);
-``mx-load`` (every bitmask uploaded with ``mx.load``: ``structured.LOAD_MIN_BYTES`` 0); ``no-kernel`` (the mask applied with MLX ops, ``cuda.mask.ENABLED`` off);
+``mx-load`` (every bitmask uploaded with ``mx.load``: ``structured.LOAD_MIN_BYTES`` 0); ``no-kernel`` (the mask
+applied with MLX ops, ``cuda.mask.ENABLED`` off);
 ``threads-N`` (llguidance's ``LLExecutor`` with N threads, not its default: 80% of the CPUs, at most 32);
 ``families-N`` (``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its
 own lexer; every variant starts from cold lexers; default ``structured.MATCHER_FAMILIES``); variants combine with
@@ -179,8 +181,8 @@ def main():
     ap.add_argument("--variants", default="default")
     ap.add_argument("--json", default=None)
     ap.add_argument("--cprofile", type=int, default=0,
-                    help="also profile the first variant's runs (plain and JSON) with cProfile (the host thread) and print its "
-                         "N functions of most own time")
+                    help="also profile the first variant's runs (plain and JSON) with cProfile and print their N "
+                         "functions of most own time (every thread's)")
     args = ap.parse_args()
     schema = yaml.safe_load((ROOT / "jobs/bench_structured.yaml").read_text())["generation"]["structured"]["json"]
     lm = pipeline.load_model(batch_size=args.batch_size)
@@ -236,7 +238,7 @@ def pin_sets() -> tuple[set, set]:
 
 
 def host_profile(lm, prompts, params, b: int, top: int) -> dict:
-    """The run again under cProfile: the host thread's ``top`` functions by own time (ms per step; time a C
+    """The run again under cProfile: the ``top`` functions by own time, every thread's (ms per step; time a C
     call spends waiting, e.g. ``tolist`` for the device, counts as its own)."""
     import cProfile
     import pstats

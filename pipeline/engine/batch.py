@@ -684,7 +684,7 @@ class BatchEngine:
                     ahead = sample(ahead, at, masks.wait(ahead[0].shape[-1]))
                     for b, recorded in later:
                         if recorded is None and slots[b].constraint.continues(toks[b]):
-                            continue  # the grammar accepted the token and the value goes on: ``settle`` has nothing to do
+                            continue  # the grammar accepted the token, the value goes on: nothing to settle
                         end(b, functools.partial(slots[b].settle, toks[b], recorded))
                 changed = bool(out)  # a request ended: its slot is free
                 seated = {}

@@ -216,7 +216,7 @@ class Constraint:
         ahead = self.ahead
         if ahead is None or ahead[0] != token or not ahead[1] or ahead[2]:
             return False
-        self.ahead, self._stopped = None, False
+        self.consume(token)
         return True
 
     @property
