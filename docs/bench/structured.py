@@ -12,7 +12,11 @@ Usage (from the repository root)::
     PYTHONPATH=. python docs/bench/structured.py --rows 32 --batch-sizes 1,8 --max-tokens 64 --trials 3
     PYTHONPATH=. python docs/bench/structured.py --rows 1024 --rows-b1 32 --batch-sizes 1,64,256 --max-tokens 128
 
-Prints one line per (batch size, constrained or not) and the mask costs; ``--json PATH`` writes them too.
+``--mask-threads default,4``: the JSON runs once per llguidance thread count (``structured.MASK_THREADS``, with
+``MATCHER_FAMILIES`` min(8, N)) in every trial, beside the same trial's plain run.
+
+Prints one line per batch size (plain and JSON tok/s medians, each JSON setting's ratio of medians and median of
+per-trial ratios) and the mask costs; ``--json PATH`` writes them too.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import yaml
 
 from pipeline.bench.throughput import file_prompts
 from pipeline.engine import BatchEngine, GenerateParams, Request
+from pipeline.engine import structured as st
 from pipeline.engine.structured import StructuredOutputsParams, ll_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,12 +93,21 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--mask-threads", default="default",
+                    help="llguidance threads of the JSON runs, a comma list (\"default\": structured.MASK_THREADS as "
+                         "it is); each N also sets structured.MATCHER_FAMILIES min(8, N); every setting gets its JSON "
+                         "run in each trial")
     args = ap.parse_args()
     schema = yaml.safe_load((ROOT / "jobs/bench_structured.yaml").read_text())["generation"]["structured"]["json"]
     lm = pipeline.load_model(batch_size=max(int(b) for b in args.batch_sizes.split(",")))
     prompts = file_prompts(ROOT / "data_samples/real_prompts_1024.parquet", "prompt", lm.tokenizer, args.rows)
+    structured = StructuredOutputsParams(json=schema)
+    threads = args.mask_threads.split(",")
+    json_names = ["json" if t == "default" else f"json-threads-{t}" for t in threads]
     settings = {"plain": GenerateParams(max_tokens=args.max_tokens),
-                "json": GenerateParams(max_tokens=args.max_tokens, structured=StructuredOutputsParams(json=schema))}
+                **{name: GenerateParams(max_tokens=args.max_tokens, structured=structured) for name in json_names}}
+    setups = {name: (st.MASK_THREADS, st.MATCHER_FAMILIES) if t == "default" else (int(t), min(8, int(t)))
+              for name, t in zip(json_names, threads)}
     rows, gens = [], None
     for b in (int(x) for x in args.batch_sizes.split(",")):
         ps = prompts[: args.rows_b1] if b == 1 and args.rows_b1 else prompts
@@ -102,14 +116,20 @@ def main():
         tps = {name: [] for name in settings}
         for _ in range(args.trials):  # interleaved, so drift hits both alike
             for name, params in settings.items():
+                if name in setups:
+                    st.MASK_THREADS, st.MATCHER_FAMILIES = setups[name]
                 n, s, g = run(lm, ps, params, b)
                 tps[name].append(n / s)
-                if name == "json":
+                if name != "plain":
                     gens = g
         med = {name: statistics.median(v) for name, v in tps.items()}
-        row = {"batch_size": b, "rows": len(ps), "plain_tps": round(med["plain"], 1), "json_tps": round(med["json"], 1),
-               "ratio": round(med["json"] / med["plain"], 3), "trials": {k: [round(x, 1) for x in v] for k, v in tps.items()},
-               "json_finished": sum(g.finish_reason == "stop" for g in gens)}
+        row = {"batch_size": b, "rows": len(ps), "plain_tps": round(med["plain"], 1)}
+        for name in json_names:
+            pairs = [j / p for j, p in zip(tps[name], tps["plain"])]
+            row.update({f"{name}_tps": round(med[name], 1), f"{name}_ratio": round(med[name] / med["plain"], 3),
+                        f"{name}_pair_ratio": round(statistics.median(pairs), 3)})
+        row.update({"trials": {k: [round(x, 1) for x in v] for k, v in tps.items()},
+                    "json_finished": sum(g.finish_reason == "stop" for g in gens)})
         print(json.dumps(row), flush=True)
         rows.append(row)
     costs = mask_costs(lm, schema, gens, max(int(b) for b in args.batch_sizes.split(",")))

@@ -143,6 +143,9 @@ def ll_tokenizer(tokenizer, eos_token_ids: tuple[int, ...]) -> llguidance.LLToke
 # 8: on the H200's 16-core host, 256 JSON-schema matchers' masks took 1.2 ms a step with 8 or 12 families against
 # 3.3 ms with one, and a B=256 job's JSON step 7.3-8.4 ms against 9.9 (docs/BENCHMARKS.md, 2026-12-04 evening).
 MATCHER_FAMILIES = max(1, min(8, int(0.8 * (os.cpu_count() or 1))))
+# llguidance's threads for a batch's masks (``LLExecutor(MASK_THREADS)``); None: llguidance's default, 80% of the CPUs,
+# at most 32.
+MASK_THREADS: int | None = None
 _NEXT_FAMILY = itertools.count()
 
 
@@ -274,7 +277,7 @@ class SlotMasks:
 
     def _executor(self) -> llguidance.LLExecutor:
         if self.executor is None:
-            self.executor = llguidance.LLExecutor()
+            self.executor = llguidance.LLExecutor(MASK_THREADS)
         return self.executor
 
     def start(self, slots, tokens: list[int] | mx.array) -> None:
