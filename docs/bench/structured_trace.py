@@ -18,7 +18,9 @@ applied with MLX ops, ``cuda.mask.ENABLED`` off);
 own lexer; every variant starts from cold lexers; default ``structured.MATCHER_FAMILIES``); variants combine with
 "+" (``threads-8+families-8``); ``unpacked`` (every row of the bitmask uploaded, not only its distinct ones:
 ``structured.pack`` returns the bitmask itself); ``host-reads`` (``BatchEngine.worker_reads`` off: the host reads a
-step's tokens before it starts their masks and launches the next forward); ``pin`` (the host thread on CPU 0 and its
+step's tokens before it starts their masks and launches the next forward); ``start-first``
+(``BatchEngine.start_after_build`` off: the masks' worker started before the host builds the next forward's graph,
+not after); ``pin`` (the host thread on CPU 0 and its
 SMT siblings, the worker and llguidance's threads on the other CPUs). (``launch-first``, the forward launched before
 the step's tokens were read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
 
@@ -209,6 +211,7 @@ def main():
         st.pack = pack if "unpacked" not in parts else (lambda bm: (bm, np.arange(len(bm), dtype=np.int32)))
         THREADS[0] = number("threads-", None)
         BatchEngine.worker_reads = "host-reads" not in parts
+        BatchEngine.start_after_build = "start-first" not in parts
         PIN[0] = pin_sets() if "pin" in parts else None
         st.MATCHER_FAMILIES = number("families-", families)
         st._fresh_matcher.cache_clear()  # each run's families start from cold lexers
