@@ -637,9 +637,10 @@ class BatchEngine:
                 # Queue step t + 1 before reading step t's tokens; skipped when every slot ends at step t anyway.
                 # With a constrained slot the order differs: step t + 1's sampling needs the masks made from
                 # step t's tokens, so those tokens go to llguidance on a worker thread (``SlotMasks.start``: a
-                # copy queued for it, read there when the device has it), then only step t + 1's forward is
-                # queued: the masks are computed while the host launches that forward (the launch of a step's
-                # kernels is most of its host time, with the GIL released) and records every slot's token; the
+                # copy queued for it, read there when the device has it), started once step t + 1's forward is
+                # built (the worker's Python would hold up that build), then only the forward is queued: the
+                # masks are computed while the host launches it (the launch of a step's kernels is most of its
+                # host time, with the GIL released) and records every slot's token; the
                 # masked sampling is queued as soon as the masks are in, then the host takes the grammar
                 # verdicts (``Decoding.settle``) and admits new requests while the device samples.
                 ahead, deferred, toks = None, False, None
