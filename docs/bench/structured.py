@@ -12,10 +12,9 @@ Usage (from the repository root)::
     PYTHONPATH=. python docs/bench/structured.py --rows 32 --batch-sizes 1,8 --max-tokens 64 --trials 3
     PYTHONPATH=. python docs/bench/structured.py --rows 1024 --rows-b1 32 --batch-sizes 1,64,256 --max-tokens 128
 
-``--json-variants default,threads-4,start-first``: a JSON run per variant in every trial, beside the same trial's
-plain run: ``default`` (the code as it is), ``threads-N`` (llguidance's threads ``structured.MASK_THREADS`` N and
-``MATCHER_FAMILIES`` min(8, N)), ``start-first`` (``BatchEngine.start_after_build`` off: the masks' worker started
-before the next forward's graph is built); combined with "+".
+``--json-variants default,threads-4``: a JSON run per variant in every trial, beside the same trial's plain run:
+``default`` (the code as it is), ``threads-N`` (llguidance's threads ``structured.MASK_THREADS`` N and
+``MATCHER_FAMILIES`` min(8, N)).
 
 Prints one line per batch size (plain and JSON tok/s medians, each JSON setting's ratio of medians and median of
 per-trial ratios) and the mask costs; ``--json PATH`` writes them too.
@@ -96,7 +95,7 @@ def main():
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--json-variants", default="default",
-                    help="the JSON runs of each trial, a comma list: default, threads-N, start-first (see above)")
+                    help="the JSON runs of each trial, a comma list: default, threads-N (see above)")
     args = ap.parse_args()
     schema = yaml.safe_load((ROOT / "jobs/bench_structured.yaml").read_text())["generation"]["structured"]["json"]
     lm = pipeline.load_model(batch_size=max(int(b) for b in args.batch_sizes.split(",")))
@@ -106,15 +105,9 @@ def main():
     json_names = ["json" if v == "default" else f"json-{v}" for v in variants]
     settings = {"plain": GenerateParams(max_tokens=args.max_tokens),
                 **{name: GenerateParams(max_tokens=args.max_tokens, structured=structured) for name in json_names}}
-    as_is = (st.MASK_THREADS, st.MATCHER_FAMILIES, BatchEngine.start_after_build)
-
-    def setup(variant: str) -> tuple:
-        parts = variant.split("+")
-        n = next((int(p[len("threads-"):]) for p in parts if p.startswith("threads-")), None)
-        threads = as_is[:2] if n is None else (n, min(8, n))
-        return (*threads, "start-first" not in parts)
-
-    setups = {name: setup(v) for name, v in zip(json_names, variants)}
+    as_is = (st.MASK_THREADS, st.MATCHER_FAMILIES)
+    setups = {name: (int(v[len("threads-"):]), min(8, int(v[len("threads-"):]))) if v.startswith("threads-") else as_is
+              for name, v in zip(json_names, variants)}
     rows, gens = [], None
     for b in (int(x) for x in args.batch_sizes.split(",")):
         ps = prompts[: args.rows_b1] if b == 1 and args.rows_b1 else prompts
@@ -123,7 +116,7 @@ def main():
         tps = {name: [] for name in settings}
         for _ in range(args.trials):  # interleaved, so drift hits both alike
             for name, params in settings.items():
-                st.MASK_THREADS, st.MATCHER_FAMILIES, BatchEngine.start_after_build = setups.get(name, as_is)
+                st.MASK_THREADS, st.MATCHER_FAMILIES = setups.get(name, as_is)
                 n, s, g = run(lm, ps, params, b)
                 tps[name].append(n / s)
                 if name != "plain":

@@ -13,14 +13,13 @@ without the schema: ``default``; ``switch-off`` (``SlotMasks.SWITCH_INTERVAL`` N
 kept); ``switch-N`` (the interval N microseconds); ``mx-array`` (every bitmask uploaded with ``mx.array``);
 ``mx-load`` (every bitmask uploaded with ``mx.load``: ``structured.LOAD_MIN_BYTES`` 0); ``no-kernel`` (the mask
 applied with MLX ops, ``cuda.mask.ENABLED`` off);
-``threads-N`` (llguidance's ``LLExecutor`` with N threads, not its default: 80% of the CPUs, at most 32);
+``threads-N`` (``structured.MASK_THREADS`` N: llguidance's ``LLExecutor`` with N threads, not its default: 80% of the
+CPUs, at most 32);
 ``families-N`` (``structured.MATCHER_FAMILIES`` N: the rows' matchers copied from N fresh matchers, each with its
 own lexer; every variant starts from cold lexers; default ``structured.MATCHER_FAMILIES``); variants combine with
 "+" (``threads-8+families-8``); ``unpacked`` (every row of the bitmask uploaded, not only its distinct ones:
 ``structured.pack`` returns the bitmask itself); ``host-reads`` (``BatchEngine.worker_reads`` off: the host reads a
-step's tokens before it starts their masks and launches the next forward); ``start-first``
-(``BatchEngine.start_after_build`` off: the masks' worker started before the host builds the next forward's graph,
-not after); ``pin`` (the host thread on CPU 0 and its
+step's tokens before it starts their masks and launches the next forward); ``pin`` (the host thread on CPU 0 and its
 SMT siblings, the worker and llguidance's threads on the other CPUs). (``launch-first``, the forward launched before
 the step's tokens were read, went with the order it measured: docs/BENCHMARKS.md, 2026-12-03 late.)
 
@@ -103,7 +102,6 @@ class _TimedMx:
         return getattr(mx, name)
 
 
-THREADS: list = [None]  # llguidance LLExecutor threads of the next run (None: its default)
 PIN: list = [None]  # (host CPUs, worker CPUs) of the next run, or None
 
 
@@ -139,7 +137,7 @@ def instrument():
         if self.executor is None:
             if PIN[0] is not None:  # on the worker thread: llguidance's threads, made now, inherit its CPUs
                 os.sched_setaffinity(0, PIN[0][1])
-            self.executor = llguidance.LLExecutor(THREADS[0])
+            self.executor = llguidance.LLExecutor(st.MASK_THREADS)
         return self.executor
 
     cls._executor = executor
@@ -209,9 +207,8 @@ def main():
         st.SlotMasks.SWITCH_INTERVAL = interval if switch is None else None if switch == "off" else 1e-6 * int(switch)
         mask_kernel.ENABLED = "no-kernel" not in parts
         st.pack = pack if "unpacked" not in parts else (lambda bm: (bm, np.arange(len(bm), dtype=np.int32)))
-        THREADS[0] = number("threads-", None)
+        st.MASK_THREADS = number("threads-", None)
         BatchEngine.worker_reads = "host-reads" not in parts
-        BatchEngine.start_after_build = "start-first" not in parts
         PIN[0] = pin_sets() if "pin" in parts else None
         st.MATCHER_FAMILIES = number("families-", families)
         st._fresh_matcher.cache_clear()  # each run's families start from cold lexers

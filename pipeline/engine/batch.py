@@ -150,9 +150,6 @@ class BatchEngine:
     # True: a structured step's tokens are read by the masks' worker (``SlotMasks.start`` takes them on the device)
     # while the host launches the next forward; False: the host reads them first (to compare the two orders)
     worker_reads = True
-    # True: the worker starts once the host has built the next forward's graph (its Python then runs while the host
-    # launches, with the GIL released); False: before that build (to compare the two orders)
-    start_after_build = True
 
     def __init__(self, engine: Engine, batch_size: int, max_positions: int, prefill_batch: bool | None = None,
                  group_tokens: int = PREFILL_TOKENS):
@@ -653,12 +650,9 @@ class BatchEngine:
                             mx.async_eval(given)
                         else:
                             given = toks = current[0].tolist()
-                        if not self.start_after_build:
-                            masks.start(at, given)
                     ahead = forward(current[0], current[1], active)
                     if deferred:
-                        if self.start_after_build:
-                            masks.start(at, given)
+                        masks.start(at, given)
                         mx.async_eval(ahead, *self.buffers)
                     else:
                         ahead = sample(ahead)
