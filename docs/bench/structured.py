@@ -106,8 +106,8 @@ def main():
     settings = {"plain": GenerateParams(max_tokens=args.max_tokens),
                 **{name: GenerateParams(max_tokens=args.max_tokens, structured=structured) for name in json_names}}
     as_is = (st.MASK_THREADS, st.MATCHER_FAMILIES)
-    setups = {name: (int(v[len("threads-"):]), min(8, int(v[len("threads-"):]))) if v.startswith("threads-") else as_is
-              for name, v in zip(json_names, variants)}
+    threads = {name: int(v[len("threads-"):]) for name, v in zip(json_names, variants) if v.startswith("threads-")}
+    setups = {name: (n, min(8, n)) for name, n in threads.items()}
     rows, gens = [], None
     for b in (int(x) for x in args.batch_sizes.split(",")):
         ps = prompts[: args.rows_b1] if b == 1 and args.rows_b1 else prompts

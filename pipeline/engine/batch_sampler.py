@@ -212,9 +212,9 @@ class SlotSampler:
         structured-output masks (``sample_batch``) or None."""
         self._sync(slots)
         if self.kind.plain:  # every row greedy, nothing else asked: the argmax, of the masked logits if masked
-            if allowed is None:
-                return argmax, StepLogprobs()
-            return mx.argmax(allowed.apply(logits), axis=-1).astype(mx.uint32), StepLogprobs()
+            if allowed is not None:
+                argmax = mx.argmax(allowed.apply(logits), axis=-1).astype(mx.uint32)
+            return argmax, StepLogprobs()
         tokens, self.state, lp = sample_batch(self.kind, logits, self.consts, self.state, self.flags, argmax,
                                               allowed)
         ks = tuple(k.logprobs if k is not None else None for k in self.kinds)
