@@ -105,20 +105,28 @@ MMA_MODES = {"0": (), "1": ("swiglu",), "2": ("swiglu", "norm"), "3": ("swiglu",
 
 def set_gemv(variant: str | None) -> None:
     """The GEMVs built from now on: ``variant``
-    ``u<unroll>[s<gate/up units>][b<blocks a SM>][m<tensor-core modes>][g<groups in flight>][c<tensor-core blocks a
-    SM>]`` (``b0`` / ``c0``: no cap on the grid; ``m``: ``MMA_MODES``' key) or None (as committed)."""
+    ``u<unroll>[s<gate/up units>][p<units of other GEMVs of at least 16,384 rows>][b<blocks a SM>][m<tensor-core
+    modes>][g<groups in flight>][c<tensor-core blocks a SM>]`` (``b0`` / ``c0``: no cap on the grid; ``m``:
+    ``MMA_MODES``' key) or None (as committed)."""
     for name, value in DEFAULT_GEMV.items():
         setattr(decoder_module, name, value)
     if variant is None:
         return
-    m = re.fullmatch(r"u(\d+)(?:s(\d+))?(?:b(\d+))?(?:m([0-3]))?(?:g(\d+))?(?:c(\d+))?", variant)
+    m = re.fullmatch(r"u(\d+)(?:s(\d+))?(?:p(\d+))?(?:b(\d+))?(?:m([0-3]))?(?:g(\d+))?(?:c(\d+))?", variant)
     if m is None:
-        raise SystemExit(f"--gemv: {variant!r} is not u<N>[s<N>][b<N>][m<0-3>][g<N>][c<N>]")
-    u, su, b, mm, g, c = m.groups()
+        raise SystemExit(f"--gemv: {variant!r} is not u<N>[s<N>][p<N>][b<N>][m<0-3>][g<N>][c<N>]")
+    u, su, pu, b, mm, g, c = m.groups()
     decoder_module.GEMV_UNROLL = int(u)
-    if su:
-        units = DEFAULT_GEMV["units_per_warp"]
-        decoder_module.units_per_warp = lambda rows, mode: int(su) if mode == "swiglu" else units(rows, mode)
+    units = DEFAULT_GEMV["units_per_warp"]
+
+    def units_per_warp(rows: int, mode: str) -> int:
+        if su and mode == "swiglu":
+            return int(su)
+        if pu and mode != "swiglu" and rows >= 16384:
+            return int(pu)
+        return units(rows, mode)
+
+    decoder_module.units_per_warp = units_per_warp
     if b is not None:
         decoder_module.GEMV_BLOCKS_PER_SM = int(b) or None
     if mm is not None:
