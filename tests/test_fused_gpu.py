@@ -22,6 +22,7 @@ from pipeline.engine.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from pipeline.jobspec import CacheSpec
 from pipeline.engine import Engine, GenerateParams
 from pipeline.engine.cuda import FusedDecoder, Gemma3Decoder, Qwen3Decoder, decoder_for, fused_blocker, model_blocker
+from pipeline.engine.cuda import decoder as decoder_module
 from pipeline.engine.cuda.decoder import SPLIT_MIN_IN, SPLIT_UNITS, WARPS_PER_BLOCK, Proj
 from pipeline.models import build_model, dequantize_model
 from pipeline.models.base import fuse_projections
@@ -197,6 +198,20 @@ def test_a_capped_gemv_grid_loops_over_every_row(case, monkeypatch):
 def test_attention_splits_and_chunk_edges(prompt_len):
     """Contexts of one to several 128-key chunks (the split path and its combine)."""
     worst, mismatches = compare_steps(make_model(), prompt_len=prompt_len, steps=4)
+    assert worst < 5e-3, worst
+    assert mismatches == 0
+
+
+@gpu
+@pytest.mark.parametrize("chunk, prompt_len", [(32, 31), (32, 33), (32, 300), (64, 63), (64, 65), (64, 300)])
+def test_attention_chunks_of_few_heads(chunk, prompt_len, monkeypatch):
+    """A model with fewer than ``ATTN_FEW_HEADS`` query heads attends in chunks of ``ATTN_FEW_HEADS_CHUNK`` keys
+    (threads): one-warp and two-warp blocks, one chunk, just over one, and many to combine."""
+    monkeypatch.setattr(decoder_module, "ATTN_FEW_HEADS_CHUNK", chunk)
+    model = make_model()
+    assert model.args.num_attention_heads < decoder_module.ATTN_FEW_HEADS
+    assert decoder_for(model).attn_chunk == chunk
+    worst, mismatches = compare_steps(model, prompt_len=prompt_len, steps=4)
     assert worst < 5e-3, worst
     assert mismatches == 0
 

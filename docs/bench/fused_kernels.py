@@ -14,7 +14,8 @@ With ``--gemv``, every GEMV (and the q/k/v kernel) and the replayed step for eac
 unrolling, the gate/up rows a warp, the grid cap and the tensor-core GEMV (``set_gemv``: ``u2`` = ``GEMV_UNROLL``
 2; then ``sN``: N gate/up row pairs a warp; ``bN``: ``GEMV_BLOCKS_PER_SM`` N (the warp-per-row kernels' grid cap),
 ``b0`` none; ``mN``: the modes on tensor cores, ``MMA_MODES[N]``; ``gN``: ``MMA_GROUPS_IN_FLIGHT`` N; ``cN``:
-``MMA_BLOCKS_PER_SM`` N, ``c0`` none). With ``--profile N``, where a token's GPU time goes: N tokens of the step
+``MMA_BLOCKS_PER_SM`` N, ``c0`` none). With ``--attn-chunks``, the replayed step with each attention chunk
+(``ATTN_FEW_HEADS_CHUNK``, applied to any head count). With ``--profile N``, where a token's GPU time goes: N tokens of the step
 built token by token (``FusedDecoder.step`` and an argmax, each token read before the next), CUPTI's time per
 kernel.
 
@@ -41,7 +42,6 @@ from pipeline.bench.shapes import _load_ours
 from pipeline.engine import Engine, GenerateParams
 from pipeline.engine.cuda import FusedDecoder, decoder_for
 from pipeline.engine.cuda import decoder as decoder_module
-from pipeline.engine.cuda.decoder import ATTN_CHUNK
 from pipeline.engine.cuda.sources import fill, float_literal, header
 
 try:
@@ -57,7 +57,7 @@ def thread_per_dim_attention(dec: FusedDecoder):
     """``dec._attn_kernel`` with the value loop of one thread per dimension (the kernel's fallback branch)."""
     def make(win: int):
         H, KVH, D = dec.n_heads, dec.n_kv_heads, dec.head_dim
-        src = fill("attn.cu", "body", head_dim=D, chunk=ATTN_CHUNK, group=H // KVH, window=win,
+        src = fill("attn.cu", "body", head_dim=D, chunk=dec.attn_chunk, group=H // KVH, window=win,
                    scale=float_literal(dec.scale))
         assert WARP_LOOP in src
         return mx.fast.cuda_kernel(name="pl_attn_thread_per_dim", input_names=["q", "kc", "vc", "pos", "scratch",
@@ -97,6 +97,7 @@ def set_split(split: str | None) -> None:
         decoder_module.SPLIT_MIN_IN, decoder_module.SPLIT_UNITS = DEFAULT_SPLIT[0], int(split)
 
 
+DEFAULT_FEW_HEADS = (decoder_module.ATTN_FEW_HEADS, decoder_module.ATTN_FEW_HEADS_CHUNK)
 GEMV_KNOBS = ("GEMV_UNROLL", "units_per_warp", "GEMV_BLOCKS_PER_SM", "GEMV_MMA_MODES", "MMA_GROUPS_IN_FLIGHT",
               "MMA_BLOCKS_PER_SM")
 DEFAULT_GEMV = {name: getattr(decoder_module, name) for name in GEMV_KNOBS}
@@ -233,6 +234,8 @@ def main():
                     "and down kernels, then the whole replayed step, of each")
     ap.add_argument("--gemv", default="", help="GEMV variants to compare (set_gemv), e.g. u1,u2,u1s4,u1b4m1: "
                     "every GEMV kernel, then the whole replayed step, of each")
+    ap.add_argument("--attn-chunks", default="", help="attention chunks to compare (keys a block, e.g. 128,64,32): "
+                    "the replayed step of each, the chunk applied whatever the model's head count")
     ap.add_argument("--profile", type=int, default=0, help="tokens of the per-kernel profile of the step (0: none)")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
@@ -265,6 +268,11 @@ def main():
         for attn in args.steps.split(",") if args.steps else ():
             for replay in (False, True) if args.replay else (False,):
                 emit({"shape": shape, "context": args.context, **step_rate(model, prompt, attn, replay, args.trials)})
+        for chunk in [int(c) for c in args.attn_chunks.split(",") if c]:
+            decoder_module.ATTN_FEW_HEADS, decoder_module.ATTN_FEW_HEADS_CHUNK = 1 << 30, chunk
+            emit({"shape": shape, "context": args.context, "attn_chunk": chunk,
+                  **step_rate(model, prompt, "warp-per-32-keys", True, args.trials)})
+        decoder_module.ATTN_FEW_HEADS, decoder_module.ATTN_FEW_HEADS_CHUNK = DEFAULT_FEW_HEADS
         for split in splits:
             set_split(split)
             emit({"shape": shape, "context": args.context, "split": split,

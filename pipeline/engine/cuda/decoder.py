@@ -17,6 +17,15 @@ from ..cache import _head_dim
 from .sources import fill, float_literal, header
 
 ATTN_CHUNK = 128  # keys per attention block (one thread per key)
+# The chunk of a model with fewer than ATTN_FEW_HEADS query heads: its grid (chunks x heads) is otherwise a few
+# dozen blocks on a GPU of 132 SMs (Gemma-3-1B: 4 heads, 16 blocks over a 512-key window).
+ATTN_FEW_HEADS = 8
+ATTN_FEW_HEADS_CHUNK = 128
+
+
+def attn_chunk(n_heads: int) -> int:
+    """Keys (and threads) per block of ``kernels/attn.cu`` for a model of ``n_heads`` query heads."""
+    return ATTN_FEW_HEADS_CHUNK if n_heads < ATTN_FEW_HEADS else ATTN_CHUNK
 WARPS_PER_BLOCK = 8  # per GEMV block of 256 threads
 # A GEMV over at least this many inputs, staged as is ("copy") from quantized weights, splits each row over
 # its block's 8 warps (gemv.cu's body_split), SPLIT_UNITS rows a block: a long row (the down projection's)
@@ -220,6 +229,7 @@ class FusedDecoder:
         self.layers = [self._read_layer(layer) for layer in inner.layers]
         mx.eval([v for lay in self.layers for v in lay.values() if isinstance(v, mx.array)])
         self._kernels: dict = {}
+        self.attn_chunk = attn_chunk(self.n_heads)
         self._scratch = None
         self._counts = mx.zeros((self.n_heads,), mx.int32)
         # one_kernel_layers: kernels/layer.cu's state (the grid barrier's count and generation) and the vectors
@@ -401,10 +411,10 @@ class FusedDecoder:
 
         def make():
             return mx.fast.cuda_kernel(name="pl_attn", input_names=["q", "kc", "vc", "pos", "scratch", "counts"],
-                                       output_names=["o"], source=self._attn_source(win, ATTN_CHUNK),
+                                       output_names=["o"], source=self._attn_source(win, self.attn_chunk),
                                        header=header())
 
-        return self._kernel(("attn", win), make)
+        return self._kernel(("attn", win, self.attn_chunk), make)
 
     def _attn_source(self, win: int, chunk: int) -> str:
         """``kernels/attn.cu``'s body for blocks of ``chunk`` keys (and threads)."""
@@ -605,13 +615,13 @@ class FusedDecoder:
         max_size)`` slots), row-contiguous and materialized (MLX returns the update itself for a slice
         update that covers the whole buffer: a prefill that fills the buffer leaves it a transposed view of
         the new keys), and size the attention scratch (``n_heads * ceil(n_positions /
-        128) * (head_dim + 2)`` float32)."""
+        attn_chunk) * (head_dim + 2)`` float32)."""
         for c in caches:
             c.reserve(n_positions)
             if c.keys is not None:  # a prefill that filled the whole buffer left it a view of its keys
                 c.keys, c.values = mx.contiguous(c.keys), mx.contiguous(c.values)
         mx.eval([c.state for c in caches])
-        splits = -(-n_positions // ATTN_CHUNK)
+        splits = -(-n_positions // self.attn_chunk)
         need = self.n_heads * splits * (self.head_dim + 2)
         if self._scratch is None or self._scratch.size < need:
             self._scratch = mx.zeros((need,), mx.float32)
@@ -631,10 +641,11 @@ class FusedDecoder:
             n_keys = min(cache.keys.shape[2], win) if win else cache.keys.shape[2]
         else:
             n_keys = min(n_ctx + 1, win) if win else n_ctx + 1
-        splits = -(-n_keys // ATTN_CHUNK)
+        ch = self.attn_chunk
+        splits = -(-n_keys // ch)
         return self._attn_kernel(win)(
             inputs=[q, cache.keys, cache.values, pos, self._scratch, self._counts], template=[("T", self.dtype)],
-            grid=(splits * ATTN_CHUNK, self.n_heads, 1), threadgroup=(ATTN_CHUNK, 1, 1),
+            grid=(splits * ch, self.n_heads, 1), threadgroup=(ch, 1, 1),
             output_shapes=[(self.n_heads * self.head_dim,)], output_dtypes=[self.dtype])[0]
 
     def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
