@@ -538,8 +538,8 @@ def test_one_kernel_layers_only_for_the_llama_layer(monkeypatch):
 
 def test_gemma3_launch_plan(monkeypatch):
     """Gemma 3's host side (runs anywhere): five launches per layer; the first layer's q/k/v kernel starts
-    from the embedding, later ones first add the previous layer's post-feedforward residual; each q/k/v
-    head's rows over blocks of 16; sliding layers attend over their 64-slot ring (one chunk), global layers over all
+    from the embedding, later ones first add the previous layer's post-feedforward residual; one block
+    per q/k/v head; sliding layers attend over their 64-slot ring (one chunk), global layers over all
     200 keys (two chunks)."""
     import pipeline.engine.cuda as fused
 
@@ -547,12 +547,11 @@ def test_gemma3_launch_plan(monkeypatch):
     layers = GEMMA["num_hidden_layers"]
     assert [k["name"] for k in launches] == ["pl_embed"] + ["pl_qkv_norm", "pl_attn", "pl_gemv_plain", "pl_gemv_geglu",
                                                             "pl_gemv_plain"] * layers + ["pl_gemv_res_logits"]
-    H, KVH, D = GEMMA["num_attention_heads"], GEMMA["num_key_value_heads"], dec.head_dim
+    H, KVH = GEMMA["num_attention_heads"], GEMMA["num_key_value_heads"]
     qkv = [k for k in launches if k["name"] == "pl_qkv_norm"]
     attn = [k for k in launches if k["name"] == "pl_attn"]
     for i, (q, a) in enumerate(zip(qkv, attn)):
-        assert q["grid"][0] // q["threadgroup"][0] == (H + 2 * KVH) * D // 16  # 16 rows of a head a block
-        assert q["inputs"]["qkv_rows"] == ((H + 2 * KVH) * D,) and q["inputs"]["arrivals"][0] >= H + 2 * KVH
+        assert q["grid"][0] // q["threadgroup"][0] == H + 2 * KVH
         assert ("h" in q["inputs"]) == (i > 0) and ("wpost" in q["inputs"]) == (i > 0)
         sliding = model.args.is_sliding(i)
         assert q["inputs"]["kc"] == caches[i].keys.shape
@@ -572,8 +571,8 @@ def test_gemma3_launch_plan(monkeypatch):
 @pytest.mark.parametrize("fuse_qkv", [True, False], ids=["qkv-fused", "qkv-separate"])
 def test_qwen3_launch_plan(fuse_qkv, monkeypatch):
     """Qwen 3's host side (runs anywhere): Llama's five launches per layer with the per-head-norm q/k/v
-    kernel first (each q, k and v head's rows over blocks of 16, the q/k norm weights and the fused matrix
-    or the three matrices as its inputs); the kernel sources fill in completely."""
+    kernel first (one block per q, k and v head, the q/k norm weights and the fused matrix or the three
+    matrices as its inputs); the kernel sources fill in completely."""
     _, dec, caches, launches = recorded_step(monkeypatch, **QWEN3, fuse_qkv=fuse_qkv)
     assert type(dec) is Qwen3Decoder
     layers = QWEN3["num_hidden_layers"]
@@ -582,9 +581,8 @@ def test_qwen3_launch_plan(fuse_qkv, monkeypatch):
     H, KVH, D = QWEN3["num_attention_heads"], QWEN3["num_key_value_heads"], QWEN3["head_dim"]
     weights = {"w", "s", "b"} if fuse_qkv else {"qw", "qs", "qb", "kw", "ks", "kb", "vw", "vs", "vb"}
     for i, k in enumerate(k for k in launches if k["name"] == "pl_qkv_norm"):
-        assert k["grid"][0] // k["threadgroup"][0] == (H + 2 * KVH) * D // 16  # 16 rows of a head a block
-        assert set(k["inputs"]) == {"x", "nw", "qn", "kn", "inv_freq", "pos", "kc", "vc", "qkv_rows",
-                                    "arrivals"} | weights
+        assert k["grid"][0] // k["threadgroup"][0] == H + 2 * KVH
+        assert set(k["inputs"]) == {"x", "nw", "qn", "kn", "inv_freq", "pos", "kc", "vc"} | weights
         assert k["inputs"]["qn"] == k["inputs"]["kn"] == (D,)
         assert k["inputs"]["kc"] == caches[i].keys.shape
         rows = (H + 2 * KVH) * D
