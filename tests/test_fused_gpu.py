@@ -195,8 +195,11 @@ def test_a_capped_gemv_grid_loops_over_every_row(case, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("prompt_len", [1, 127, 128, 129, 300, 700])
-def test_attention_splits_and_chunk_edges(prompt_len):
-    """Contexts of one to several 128-key chunks (the split path and its combine)."""
+def test_attention_splits_and_chunk_edges(prompt_len, monkeypatch):
+    """Contexts of one to several 128-key chunks (the split path and its combine; ``ATTN_CHUNK``, which models
+    of at least ``ATTN_FEW_HEADS`` heads use)."""
+    monkeypatch.setattr(decoder_module, "ATTN_FEW_HEADS", 1)
+    assert decoder_for(make_model()).attn_chunk == decoder_module.ATTN_CHUNK == 128
     worst, mismatches = compare_steps(make_model(), prompt_len=prompt_len, steps=4)
     assert worst < 5e-3, worst
     assert mismatches == 0
@@ -475,8 +478,8 @@ def recorded_step(monkeypatch, one_kernel_layers=False, **config):
                          ids=["llama", "qwen2-q8"])
 def test_launch_plan_covers_every_output(case, monkeypatch):
     """The host side of the fused step (runs anywhere): per token one embedding launch, five per layer,
-    one vocab launch; every GEMV grid covers its output rows, the attention grid one 128-key block per
-    (chunk, head) of the context, and each kernel gets the arrays its source names."""
+    one vocab launch; every GEMV grid covers its output rows, the attention grid one block per (chunk, head)
+    of the context, and each kernel gets the arrays its source names."""
     import pipeline.engine.cuda as fused
 
     model, dec, caches, launches = recorded_step(monkeypatch, **case)
@@ -492,7 +495,9 @@ def test_launch_plan_covers_every_output(case, monkeypatch):
             assert warps >= (H + 2 * KVH) * D // 2  # a warp per rotation pair
             assert k["inputs"]["kc"] == caches[0].keys.shape and caches[0].keys.shape[2] >= 200
         elif k["name"] == "pl_attn":
-            assert k["grid"] == (2 * 128, H, 1)  # 200 keys: two chunks of 128, for every head
+            ch = dec.attn_chunk  # the BASE model's 4 heads: ATTN_FEW_HEADS_CHUNK keys a block
+            assert ch == decoder_module.ATTN_FEW_HEADS_CHUNK and k["threadgroup"] == (ch, 1, 1)
+            assert k["grid"] == (-(-200 // ch) * ch, H, 1)  # 200 keys: every chunk, for every head
         elif k["name"] == "pl_gemv_swiglu":
             assert warps * fused.units_per_warp(2 * model.args.intermediate_size, "swiglu") >= \
                 model.args.intermediate_size
@@ -538,25 +543,28 @@ def test_one_kernel_layers_only_for_the_llama_layer(monkeypatch):
 
 def test_gemma3_launch_plan(monkeypatch):
     """Gemma 3's host side (runs anywhere): five launches per layer; the first layer's q/k/v kernel starts
-    from the embedding, later ones first add the previous layer's post-feedforward residual; one block
-    per q/k/v head; sliding layers attend over their 64-slot ring (one chunk), global layers over all
-    200 keys (two chunks)."""
+    from the embedding, later ones first add the previous layer's post-feedforward residual; each q/k/v
+    head's rows over blocks of 16; sliding layers attend over their 64-slot ring, global layers over all
+    200 keys, in chunks of ``ATTN_FEW_HEADS_CHUNK`` keys."""
     import pipeline.engine.cuda as fused
 
     model, dec, caches, launches = recorded_step(monkeypatch, **GEMMA)
     layers = GEMMA["num_hidden_layers"]
     assert [k["name"] for k in launches] == ["pl_embed"] + ["pl_qkv_norm", "pl_attn", "pl_gemv_plain", "pl_gemv_geglu",
                                                             "pl_gemv_plain"] * layers + ["pl_gemv_res_logits"]
-    H, KVH = GEMMA["num_attention_heads"], GEMMA["num_key_value_heads"]
+    H, KVH, D = GEMMA["num_attention_heads"], GEMMA["num_key_value_heads"], dec.head_dim
     qkv = [k for k in launches if k["name"] == "pl_qkv_norm"]
     attn = [k for k in launches if k["name"] == "pl_attn"]
     for i, (q, a) in enumerate(zip(qkv, attn)):
-        assert q["grid"][0] // q["threadgroup"][0] == H + 2 * KVH
+        assert q["grid"][0] // q["threadgroup"][0] == (H + 2 * KVH) * D // 16  # 16 rows of a head a block
+        assert q["inputs"]["qkv_rows"] == ((H + 2 * KVH) * D,) and q["inputs"]["arrivals"][0] >= H + 2 * KVH
         assert ("h" in q["inputs"]) == (i > 0) and ("wpost" in q["inputs"]) == (i > 0)
         sliding = model.args.is_sliding(i)
         assert q["inputs"]["kc"] == caches[i].keys.shape
         assert caches[i].keys.shape[2] == (64 if sliding else 256)
-        assert a["grid"] == ((1 if sliding else 2) * 128, H, 1)
+        ch = dec.attn_chunk  # 4 query heads: ATTN_FEW_HEADS_CHUNK keys a block
+        assert ch == decoder_module.ATTN_FEW_HEADS_CHUNK and a["threadgroup"] == (ch, 1, 1)
+        assert a["grid"] == (-(-(64 if sliding else 200) // ch) * ch, H, 1)
     for k in launches:
         blocks = k["grid"][0] // k["threadgroup"][0]
         warps = blocks * k["threadgroup"][0] // 32
@@ -571,8 +579,8 @@ def test_gemma3_launch_plan(monkeypatch):
 @pytest.mark.parametrize("fuse_qkv", [True, False], ids=["qkv-fused", "qkv-separate"])
 def test_qwen3_launch_plan(fuse_qkv, monkeypatch):
     """Qwen 3's host side (runs anywhere): Llama's five launches per layer with the per-head-norm q/k/v
-    kernel first (one block per q, k and v head, the q/k norm weights and the fused matrix or the three
-    matrices as its inputs); the kernel sources fill in completely."""
+    kernel first (each q, k and v head's rows over blocks of 16, the q/k norm weights and the fused matrix
+    or the three matrices as its inputs); the kernel sources fill in completely."""
     _, dec, caches, launches = recorded_step(monkeypatch, **QWEN3, fuse_qkv=fuse_qkv)
     assert type(dec) is Qwen3Decoder
     layers = QWEN3["num_hidden_layers"]
@@ -581,8 +589,9 @@ def test_qwen3_launch_plan(fuse_qkv, monkeypatch):
     H, KVH, D = QWEN3["num_attention_heads"], QWEN3["num_key_value_heads"], QWEN3["head_dim"]
     weights = {"w", "s", "b"} if fuse_qkv else {"qw", "qs", "qb", "kw", "ks", "kb", "vw", "vs", "vb"}
     for i, k in enumerate(k for k in launches if k["name"] == "pl_qkv_norm"):
-        assert k["grid"][0] // k["threadgroup"][0] == H + 2 * KVH
-        assert set(k["inputs"]) == {"x", "nw", "qn", "kn", "inv_freq", "pos", "kc", "vc"} | weights
+        assert k["grid"][0] // k["threadgroup"][0] == (H + 2 * KVH) * D // 16  # 16 rows of a head a block
+        assert set(k["inputs"]) == {"x", "nw", "qn", "kn", "inv_freq", "pos", "kc", "vc", "qkv_rows",
+                                    "arrivals"} | weights
         assert k["inputs"]["qn"] == k["inputs"]["kn"] == (D,)
         assert k["inputs"]["kc"] == caches[i].keys.shape
         rows = (H + 2 * KVH) * D

@@ -18,9 +18,10 @@ from .sources import fill, float_literal, header
 
 ATTN_CHUNK = 128  # keys per attention block (one thread per key)
 # The chunk of a model with fewer than ATTN_FEW_HEADS query heads: its grid (chunks x heads) is otherwise a few
-# dozen blocks on a GPU of 132 SMs (Gemma-3-1B: 4 heads, 16 blocks over a 512-key window).
+# dozen blocks on a GPU of 132 SMs (Gemma-3-1B: 4 heads, 16 blocks over a 512-key window). Gemma-3-1B shape, H200,
+# replayed step, one process (docs/BENCHMARKS.md, 2026-12-06): 128 keys 482-504 and 409-459 tok/s, 32 keys 523-557.
 ATTN_FEW_HEADS = 8
-ATTN_FEW_HEADS_CHUNK = 128
+ATTN_FEW_HEADS_CHUNK = 32
 
 
 def attn_chunk(n_heads: int) -> int:
@@ -242,7 +243,12 @@ class FusedDecoder:
         self._barrier = mx.zeros((64,), mx.uint32)
         inter = max(lay["gu"].out_dim // 2 for lay in self.layers) if "gu" in self.layers[0] else 0
         self._work = mx.zeros((2 * self.n_heads * self.head_dim + self.hidden + inter,), self.dtype)
-        mx.eval(self._barrier, self._work)
+        # kernels/qkv_norm.cu's state: each q/k/v head's projected rows (float32), and per head the count of its
+        # blocks done (64 words at least, out of MLX's small pool as the barrier above)
+        heads = self.n_heads + 2 * self.n_kv_heads
+        self._qkv_rows = mx.zeros((heads * self.head_dim,), mx.float32)
+        self._arrivals = mx.zeros((max(64, heads),), mx.uint32)
+        mx.eval(self._barrier, self._work, self._qkv_rows, self._arrivals)
 
     # -- what the kernels need of a model -------------------------------------------------------------
 
@@ -341,24 +347,29 @@ class FusedDecoder:
         names = ["x", "nw", *qkv.names(), *(["bias"] if has_bias else []), "inv_freq", "pos", "kc", "vc"]
         return src, names, pairs
 
+    # Rows of a q/k/v head each warp of kernels/qkv_norm.cu computes (the head's rows are spread over
+    # head_dim / (8 * QKV_NORM_UNITS) blocks).
+    QKV_NORM_UNITS = 2
+
     def _qkv_norm_kernel(self, lay: dict, res: bool, win: int):
-        """``kernels/qkv_norm.cu``: the q/k/v step of a layer with per-head q/k RMSNorms (Gemma 3, Qwen 3), one
-        256-thread block per q, k or v head, for this layer's shapes. The layer's projections: ``lay["qkv"]``,
-        one fused q/k/v ``Proj`` (rows: q heads, k heads, v heads), or ``lay["q"]``, ``["k"]``, ``["v"]`` of one
-        quantization (``qkv_arrays``); ``res``: the kernel starts with Gemma 3's residual step of the previous
-        layer (prologue "res", else "norm")."""
+        """``kernels/qkv_norm.cu``: the q/k/v step of a layer with per-head q/k RMSNorms (Gemma 3, Qwen 3) for this
+        layer's shapes, and its blocks (256 threads each: ``head_dim / (8 * QKV_NORM_UNITS)`` per q, k or v head).
+        The layer's projections: ``lay["qkv"]``, one fused q/k/v ``Proj`` (rows: q heads, k heads, v heads), or
+        ``lay["q"]``, ``["k"]``, ``["v"]`` of one quantization (``qkv_arrays``); ``res``: the kernel starts with
+        Gemma 3's residual step of the previous layer (prologue "res", else "norm")."""
         H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
         fused = lay.get("qkv")
         projs = [fused] if fused is not None else [lay["q"], lay["k"], lay["v"]]
         trad, pscale = lay["traditional"], lay["pos_scale"]
         pre = "res" if res else "norm"
-        units = 4
+        units = self.QKV_NORM_UNITS if D % self.QKV_NORM_UNITS == 0 else 1
+        blocks = (H + 2 * KVH) * -(-D // (WARPS_PER_BLOCK * units))
 
         def make():
             def head_rows(proj: Proj, prefix: str, first: str) -> str:
                 return fill("qkv_norm.cu", "head_rows", first=first, rows_dot=proj.rows_dot(units, prefix))
 
-            if fused is not None:  # block b's rows start at row b * head_dim of the fused matrix
+            if fused is not None:  # head h's rows start at row h * head_dim of the fused matrix
                 rows = [head_rows(fused, "", "head")] * 3
                 weights = fused.names()
             else:
@@ -369,12 +380,23 @@ class FusedDecoder:
                        units=units, window=win, prologue=self._prologue(pre, projs[0].vals(self.dtype)),
                        q_rows=rows[0], k_rows=rows[1], v_rows=rows[2], eps=float_literal(self.eps),
                        traditional=int(trad), pos_scale=float_literal(pscale))
-            names = [*self.PROLOGUE_INPUTS[pre], *weights, "qn", "kn", "inv_freq", "pos", "kc", "vc"]
-            return mx.fast.cuda_kernel(name="pl_qkv_norm", input_names=names,
+            names = [*self.PROLOGUE_INPUTS[pre], *weights, "qn", "kn", "inv_freq", "pos", "kc", "vc", "qkv_rows",
+                     "arrivals"]
+            kern = mx.fast.cuda_kernel(name="pl_qkv_norm", input_names=names,
                                        output_names=["q", "hout"] if res else ["q"], source=src, header=header())
+            return kern, blocks
 
         sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim) for p in projs)
-        return self._kernel(("qkv_norm", sig, trad, pscale, res, win, GEMV_UNROLL), make)
+        return self._kernel(("qkv_norm", sig, trad, pscale, res, win, GEMV_UNROLL, units), make)
+
+    def _qkv_norm(self, lay: dict, front: list, pos: mx.array, cache, res: bool = False):
+        """Launch ``_qkv_norm_kernel``: ``front`` the prologue's inputs (``PROLOGUE_INPUTS``: "res" with ``res``,
+        else "norm"); the query ``(n_heads * head_dim,)``, and with ``res`` also the new residual stream
+        ``(hidden,)``; the token's key and value written into ``cache``."""
+        kern, blocks = self._qkv_norm_kernel(lay, res, cache.max_size or 0)
+        inputs = [*front, *self.qkv_arrays(lay), lay["q_norm"], lay["k_norm"], lay["inv_freq"], pos, cache.keys,
+                  cache.values, self._qkv_rows, self._arrivals]
+        return self._launch(kern, inputs, blocks, self.n_heads * self.head_dim, res=res)
 
     @staticmethod
     def qkv_arrays(lay: dict) -> list:

@@ -14,7 +14,7 @@ class Gemma3Decoder(FusedDecoder):
     1. the previous layer's residual step (``h + rms_norm(down_out, post_feedforward_layernorm)``; the
        first layer starts from the scaled embedding), RMSNorm, the q/k/v projections, the per-head
        q/k RMSNorms, RoPE (local base on sliding layers), and the key/value written into the cache
-       (one block per head: the per-head norms need the whole head);
+       (each head's rows over several blocks, the last of them to finish doing the head's norms);
     2. attention (a sliding layer's ``RotatingKVCache`` ring holds exactly the query's window);
     3. o_proj;
     4. ``h + rms_norm(o_out, post_attention_layernorm)``, ``pre_feedforward_layernorm``, the gate and up
@@ -68,15 +68,10 @@ class Gemma3Decoder(FusedDecoder):
         h = self._embed(token)
         pending = None  # the previous layer's down_proj output and post-feedforward norm, not yet added to h
         for lay, c in zip(self.layers, caches):
-            kern = self._qkv_norm_kernel(lay, pending is not None, c.max_size or 0)
-            qkv = self.qkv_arrays(lay)
-            front = [pending[0], h, pending[1]] if pending is not None else [h]
-            inputs = [*front, lay["in_norm"], *qkv, lay["q_norm"], lay["k_norm"], lay["inv_freq"], pos, c.keys, c.values]
-            blocks = H + 2 * self.n_kv_heads  # one per q, k and v head
             if pending is None:
-                q = self._launch(kern, inputs, blocks, H * D)
+                q = self._qkv_norm(lay, [h, lay["in_norm"]], pos, c)
             else:
-                q, h = self._launch(kern, inputs, blocks, H * D, res=True)
+                q, h = self._qkv_norm(lay, [pending[0], h, pending[1], lay["in_norm"]], pos, c, res=True)
             o = self._attend(q, pos, n_ctx, c)
             y = self._gemv(lay["o"], "plain", [o, *lay["o"].arrays])
             a, h = self._gemv(lay["gate"], "geglu", [y, h, lay["post_attn"], lay["pre_ff"], *lay["gate"].arrays,

@@ -13,8 +13,8 @@ class Qwen3Decoder(FusedDecoder):
     before RoPE (plain weights, ``mx.fast.rms_norm``'s rounding). Per layer the five kernels of
     ``FusedDecoder`` (see ``pipeline.engine.cuda``), the first of them ``kernels/qkv_norm.cu`` (Gemma 3's
     q/k/v step with the "norm" prologue): RMSNorm, the q/k/v projection (fused or three matrices of one
-    quantization), the per-head q/k norms, RoPE and the cache write, one 256-thread block per q, k or v
-    head, since a head's norm needs all of its values.
+    quantization), the per-head q/k norms, RoPE and the cache write; each head's rows spread over blocks,
+    the last of them to finish doing the head's norm.
     """
 
     model_types = ("qwen3",)
@@ -54,7 +54,4 @@ class Qwen3Decoder(FusedDecoder):
         return {**super()._read_layer(layer), "q_norm": a.q_norm.weight, "k_norm": a.k_norm.weight}
 
     def _query(self, lay: dict, h: mx.array, pos: mx.array, cache) -> mx.array:
-        kern = self._qkv_norm_kernel(lay, False, cache.max_size or 0)
-        inputs = [h, lay["in_norm"], *self.qkv_arrays(lay), lay["q_norm"], lay["k_norm"], lay["inv_freq"], pos,
-                  cache.keys, cache.values]
-        return self._launch(kern, inputs, self.n_heads + 2 * self.n_kv_heads, self.n_heads * self.head_dim)
+        return self._qkv_norm(lay, [h, lay["in_norm"]], pos, cache)

@@ -1,14 +1,17 @@
 // pl_qkv_norm (Gemma 3, Qwen 3): the previous layer's residual step (Gemma 3) or the embedding / hidden
 // state ($prologue), RMSNorm, the q, k and v projections, the per-head q/k RMSNorms (weights qn, kn), RoPE,
 // and the key and value written in place into slot pos (a ring of $window slots: pos % $window) of kc/vc.
-// One 256-thread block per q, k or v head (the per-head norms need the whole head). Filled in by
-// FusedDecoder._qkv_norm_kernel (pipeline/engine/cuda/decoder.py).
+// Each q, k or v head's rows are spread over S = head_dim / (8 warps * $units rows) blocks, which write them to
+// `qkv_rows` (float32, global); the last block of a head to finish (its count in `arrivals`, reset by that block)
+// reads the whole head back and does its norm, RoPE and store: the per-head norms need the whole head, and one
+// block a head left the GPU idle (Gemma-3-1B, 6 heads: 38 us a call on an H100, docs/BENCHMARKS.md). Filled in
+// by FusedDecoder._qkv_norm_kernel (pipeline/engine/cuda/decoder.py).
 //
-// head_rows: the block's head ($first: the index of its first weight row, in head_dim rows) projected into
-// ys, $units rows per warp. Separate q/k/v matrices: the head's index among the q, k or v heads; one fused
-// q/k/v matrix (rows q heads, then k, then v): the block index itself.
+// head_rows: row i0 .. i0 + $units - 1 of the block's head ($first: the index of its first weight row, in
+// head_dim rows) into hrow. Separate q/k/v matrices: the head's index among the q, k or v heads; one fused q/k/v
+// matrix (rows q heads, then k, then v): the head index itself.
 //@ head_rows
-    for (int i0 = warp * U; i0 < D; i0 += NW * U) {
+    {
       int rows[U];
       float acc[U];
 #pragma unroll
@@ -16,7 +19,7 @@
       $rows_dot
       if (lane == 0) {
 #pragma unroll
-        for (int u = 0; u < U; u++) ys[i0 + u] = static_cast<float>(static_cast<T>(acc[u]));
+        for (int u = 0; u < U; u++) hrow[i0 + u] = static_cast<float>(static_cast<T>(acc[u]));
       }
     }
 //@ body
@@ -26,16 +29,32 @@
   __shared__ float red[32];
   __shared__ float ys[D];
   __shared__ float yn[D];
+  __shared__ int last;
   $prologue
+  constexpr int R = NW * U, S = (D + R - 1) / R;  // rows a block, blocks a head
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int head = blockIdx.x;
-  if (head < H) {
+  const int head = blockIdx.x / S, i0 = (blockIdx.x % S) * R + warp * U;
+  float* const hrow = const_cast<float*>(qkv_rows) + (size_t)head * D;
+  if (i0 < D) {
+    if (head < H) {
 $q_rows
-  } else if (head < H + KVH) {
+    } else if (head < H + KVH) {
 $k_rows
-  } else {
+    } else {
 $v_rows
+    }
   }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // the head's last block to arrive goes on (CUDA's threadFenceReduction pattern)
+    unsigned* count = const_cast<unsigned*>(arrivals) + head;
+    __threadfence();
+    last = atomicAdd(count, 1u) == S - 1;
+    if (last) atomicExch(count, 0u);
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int d = threadIdx.x; d < D; d += NT) ys[d] = __ldcg(hrow + d);
   __syncthreads();
   const int ps = pos[0];
   const int slot = WIN ? ps % WIN : ps;
