@@ -64,7 +64,6 @@ class Gemma3Decoder(FusedDecoder):
                 "inv_freq": inv, "pos_scale": pscale, "traditional": trad}
 
     def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
-        H, D = self.n_heads, self.head_dim
         h = self._embed(token)
         pending = None  # the previous layer's down_proj output and post-feedforward norm, not yet added to h
         for lay, c in zip(self.layers, caches):
