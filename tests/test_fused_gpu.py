@@ -199,8 +199,9 @@ def test_attention_splits_and_chunk_edges(prompt_len, monkeypatch):
     """Contexts of one to several 128-key chunks (the split path and its combine; ``ATTN_CHUNK``, which models
     of at least ``ATTN_FEW_HEADS`` heads use)."""
     monkeypatch.setattr(decoder_module, "ATTN_FEW_HEADS", 1)
-    assert decoder_for(make_model()).attn_chunk == decoder_module.ATTN_CHUNK == 128
-    worst, mismatches = compare_steps(make_model(), prompt_len=prompt_len, steps=4)
+    model = make_model()
+    assert decoder_for(model).attn_chunk == decoder_module.ATTN_CHUNK == 128
+    worst, mismatches = compare_steps(model, prompt_len=prompt_len, steps=4)
     assert worst < 5e-3, worst
     assert mismatches == 0
 
