@@ -85,14 +85,16 @@ def float32_twin(model):
     return model
 
 
-def compare_steps(model, prompt_len=37, steps=6, seed=0, make_caches=None, twin=None, one_kernel_layers=False):
+def compare_steps(model, prompt_len=37, steps=6, seed=0, make_caches=None, twin=None, one_kernel_layers=False,
+                  configure=None):
     """Run ``steps`` decode steps through the fused decoder and the model; returns the worst relative
     L2 error of the logits and the count of clear-margin argmax disagreements.
 
     With ``twin`` (``float32_twin`` of a copy of the model), also runs it and returns ``(worst error of
     the fused step vs float32, worst error of the model's own compute dtype vs float32, mismatches)``:
     how close each comes to the exact result of the same weights. ``one_kernel_layers``: the decoder runs each
-    layer as one kernel (``FusedDecoder.one_kernel_layers``)."""
+    layer as one kernel (``FusedDecoder.one_kernel_layers``). ``configure``: called with the decoder before the
+    first step."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, model.args.vocab_size, prompt_len).tolist()
     ref_caches, logits = prefilled(model, prompt, make_caches)
@@ -103,6 +105,8 @@ def compare_steps(model, prompt_len=37, steps=6, seed=0, make_caches=None, twin=
     if one_kernel_layers:
         assert dec.layer_blocker() is None
     dec.one_kernel_layers = one_kernel_layers
+    if configure is not None:
+        configure(dec)
     dec.prepare(fused_caches, prompt_len + steps)
     y = mx.argmax(logits, axis=-1).astype(mx.uint32)
     pos = mx.array([prompt_len], mx.int32)
@@ -279,6 +283,32 @@ def test_one_kernel_layer_on_a_grid_of_one_block(monkeypatch):
     worst, mismatches = compare_steps(make_model(), prompt_len=300, steps=3, one_kernel_layers=True)
     assert worst < 5e-3, worst
     assert mismatches == 0
+
+
+@gpu
+@pytest.mark.parametrize("barrier", ["gen", "flip", "flip-ra"])
+@pytest.mark.parametrize("traced", [False, True], ids=["untraced", "traced"])
+def test_one_kernel_layer_barriers_and_trace(barrier, traced, monkeypatch):
+    """Every grid barrier (``decoder.LAYER_BARRIER``), with and without the benchmarks' phase trace compiled in: the
+    logits match the model's over 300 keys (two attention chunks, so the phases read what other blocks wrote), and
+    the trace counts one call a layer a token in every block, with nonzero spans."""
+    monkeypatch.setattr(decoder_module, "LAYER_BARRIER", barrier)
+    model = make_model()
+    seen = {}
+
+    def traced_decoder(dec):
+        if traced:
+            grid = decoder_module.sm_count() * decoder_module.LAYER_BLOCKS_PER_SM
+            dec.layer_trace = mx.zeros((grid * 16,), mx.uint64)
+            seen["dec"] = dec
+
+    worst, mismatches = compare_steps(model, prompt_len=300, steps=3, one_kernel_layers=True, configure=traced_decoder)
+    assert worst < 5e-3, worst
+    assert mismatches == 0
+    if traced:
+        tr = np.array(seen["dec"].layer_trace).reshape(-1, 16)
+        assert (tr[:, 11] == 3 * len(model.layers)).all()
+        assert (tr[:, :11] > 0).all()
 
 
 @gpu

@@ -65,6 +65,13 @@ ONE_KERNEL_LAYERS = True
 ONE_KERNEL_MAX_LAYER_BYTES = 8 * 2**20
 LAYER_BLOCKS_PER_SM = 1  # SmolLM2-135M: 885-892 tok/s at 1, 837-847 at 2
 LAYER_ATTN_CHUNK = 256
+# The grid barrier between the one-kernel layer's phases (common.cuh): "gen" pl_grid_sync (a count and a generation
+# word, the last block to arrive resets one and advances the other), "flip" pl_grid_sync_flip<false> (one word whose
+# top bit the last arrival flips, fences as cooperative_groups'), "flip-ra" pl_grid_sync_flip<true> (the same with a
+# release add and acquire loads instead of the fences).
+LAYER_BARRIER = "gen"
+LAYER_SYNCS = {"gen": "pl_grid_sync(bar)", "flip": "pl_grid_sync_flip<false>(bar + 48)",
+               "flip-ra": "pl_grid_sync_flip<true>(bar + 48)"}
 
 
 @functools.cache
@@ -241,6 +248,9 @@ class FusedDecoder:
         # MLX's CUDA allocator would place in its small pool, managed memory advised read-mostly: there the
         # barrier's atomics cost ~5 us each (H200: a SmolLM2-135M layer 3.1 ms instead of microseconds)
         self._barrier = mx.zeros((64,), mx.uint32)
+        # benchmarks only: a uint64 array of 16 words a block of the layer's grid that kernels/layer.cu adds its
+        # phases' and barriers' clock cycles to (its trace section), or None (no trace compiled in)
+        self.layer_trace: mx.array | None = None
         inter = max(lay["gu"].out_dim // 2 for lay in self.layers) if "gu" in self.layers[0] else 0
         self._work = mx.zeros((2 * self.n_heads * self.head_dim + self.hidden + inter,), self.dtype)
         # kernels/qkv_norm.cu's state: each q/k/v head's projected rows (float32), and per head the count of its
@@ -587,17 +597,22 @@ class FusedDecoder:
                 g = self._gemv_source(projs[prefix], mode)
                 phases[name] = fill("layer.cu", "strided", body=virtual(g.source),
                                     aliases=aliases({"x": (x, False), **extra}) + weights(prefix))
-            src = fill("layer.cu", "body", q_size=self.n_heads * self.head_dim, hidden=self.hidden, **phases)
+            trace = self.layer_trace is not None
+            marks = {f"mark{i}": fill("layer.cu", "mark", i=i) if trace else "" for i in range(1, 10)}
+            src = fill("layer.cu", "body", q_size=self.n_heads * self.head_dim, hidden=self.hidden,
+                       sync=LAYER_SYNCS[LAYER_BARRIER], trace_begin=fill("layer.cu", "trace_begin") if trace else "",
+                       trace_end=fill("layer.cu", "trace_end") if trace else "", **marks, **phases)
             names = ["hin", "nw", *[f"qkv_{n}" for n in qkv.names()], *(["bias"] if qkv.bias is not None else []),
                      "inv_freq", "pos", "kc", "vc", "scratch", "counts", "bar", "work",
                      *[f"o_{n}" for n in lay["o"].names()], "pn", *[f"gu_{n}" for n in lay["gu"].names()],
-                     *[f"dn_{n}" for n in lay["down"].names()]]
+                     *[f"dn_{n}" for n in lay["down"].names()], *(["trace"] if trace else [])]
             return mx.fast.cuda_kernel(name="pl_layer", input_names=names, output_names=["hout"], source=src,
                                        header=header())
 
         sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim, p.bias is not None) for p in projs.values())
         return self._kernel(("layer", sig, lay["traditional"], lay["pos_scale"], win, GEMV_UNROLL, SPLIT_MIN_IN,
-                             SPLIT_UNITS, GEMV_MMA_MODES, MMA_GROUPS_IN_FLIGHT, LAYER_ATTN_CHUNK), make)
+                             SPLIT_UNITS, GEMV_MMA_MODES, MMA_GROUPS_IN_FLIGHT, LAYER_ATTN_CHUNK, LAYER_BARRIER,
+                             self.layer_trace is not None), make)
 
     def _layer(self, lay: dict, h: mx.array, pos: mx.array, cache) -> mx.array:
         """The layer as one kernel (``kernels/layer.cu``): the residual stream ``(hidden,)`` after it; the token's key
@@ -606,7 +621,8 @@ class FusedDecoder:
         qkv = lay["qkv"]
         inputs = [h, lay["in_norm"], *qkv.arrays, *([qkv.bias] if qkv.bias is not None else []), lay["inv_freq"],
                   pos, cache.keys, cache.values, self._scratch, self._counts, self._barrier, self._work,
-                  *lay["o"].arrays, lay["post_norm"], *lay["gu"].arrays, *lay["down"].arrays]
+                  *lay["o"].arrays, lay["post_norm"], *lay["gu"].arrays, *lay["down"].arrays,
+                  *([self.layer_trace] if self.layer_trace is not None else [])]
         return self._launch(kern, inputs, sm_count() * LAYER_BLOCKS_PER_SM, self.hidden)
 
     # -- the step -------------------------------------------------------------------------------------

@@ -356,3 +356,36 @@ __device__ __forceinline__ void pl_grid_sync(const unsigned* bar_in) {
   }
   __syncthreads();
 }
+
+// The same barrier as one word (cooperative_groups' grid sync, CUDA 12 cooperative_groups/details/sync.h): every
+// block adds 1 to bar[0], block 0 adds 0x80000000 - (gridDim.x - 1), so when the last block has arrived the word's
+// top bit has flipped and its other bits are back where they were; each block waits for its top bit to differ from
+// the one its own add returned. The last arrival itself releases the others (no reset, no second word), and any
+// starting value works. With PL_SYNC_RA the arrival is an atom.add.release.gpu and the wait ld.acquire.gpu, instead
+// of __threadfence() (fence.sc.gpu) on each side. Traps as pl_grid_sync.
+template <bool PL_SYNC_RA>
+__device__ __forceinline__ void pl_grid_sync_flip(const unsigned* bar_in) {
+  unsigned* bar = const_cast<unsigned*>(bar_in);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned nb = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+    unsigned old, now;
+    if constexpr (PL_SYNC_RA) {
+      asm volatile("atom.add.release.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(bar), "r"(nb) : "memory");
+    } else {
+      __threadfence();
+      old = atomicAdd(bar, nb);
+    }
+    const long long t0 = clock64();
+    do {
+      if constexpr (PL_SYNC_RA) {
+        asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(bar) : "memory");
+      } else {
+        now = *reinterpret_cast<volatile unsigned*>(bar);
+      }
+      if (clock64() - t0 > (1ll << 34)) __trap();
+    } while (((now ^ old) & 0x80000000u) == 0);
+    if constexpr (!PL_SYNC_RA) __threadfence();
+  }
+  __syncthreads();
+}

@@ -51,12 +51,45 @@ $body
   T* const pl_o = pl_q + $q_size;
   T* const pl_h = pl_o + $q_size;
   T* const pl_act = pl_h + $hidden;
+$trace_begin
 $qkv
-  pl_grid_sync(bar);
+$mark1
+  $sync;
+$mark2
 $attn
-  pl_grid_sync(bar);
+$mark3
+  $sync;
+$mark4
 $o_proj
-  pl_grid_sync(bar);
+$mark5
+  $sync;
+$mark6
 $gate_up
-  pl_grid_sync(bar);
+$mark7
+  $sync;
+$mark8
 $down
+$mark9
+$trace_end
+//@ trace_begin
+  // trace (FusedDecoder.layer_trace, benchmarks only): thread 0 of each block adds up, over its calls, the clock
+  // cycles of each span between marks (phase, barrier, phase, ...), at trace[block * 16 + 0..8]; the call's
+  // globaltimer nanoseconds at [9], its cycles at [10] (their ratio: the SM clock) and its calls at [11]
+  long long pl_t[10];
+  unsigned long long pl_g0 = 0;
+  if (threadIdx.x == 0) {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(pl_g0));
+    pl_t[0] = clock64();
+  }
+//@ mark
+  if (threadIdx.x == 0) pl_t[$i] = clock64();
+//@ trace_end
+  if (threadIdx.x == 0) {
+    unsigned long long pl_g1;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(pl_g1));
+    unsigned long long* pl_tr = reinterpret_cast<unsigned long long*>(const_cast<uint64_t*>(trace)) + blockIdx.x * 16;
+    for (int i = 0; i < 9; i++) atomicAdd(pl_tr + i, static_cast<unsigned long long>(pl_t[i + 1] - pl_t[i]));
+    atomicAdd(pl_tr + 9, pl_g1 - pl_g0);
+    atomicAdd(pl_tr + 10, static_cast<unsigned long long>(pl_t[9] - pl_t[0]));
+    atomicAdd(pl_tr + 11, 1ull);
+  }
