@@ -312,6 +312,26 @@ def test_one_kernel_layer_barriers_and_trace(barrier, traced, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("case, prompt_len, ring", [
+    (dict(), 1, None), (dict(), 31, None), (dict(), 32, None), (dict(), 300, None), (dict(), 700, None),
+    (dict(head_dim=128, num_attention_heads=2, num_key_value_heads=1), 300, None), (dict(), 200, 64),
+    (dict(head_dim=96, num_attention_heads=2, num_key_value_heads=1), 300, None),
+], ids=["one-key", "keys-32", "keys-33", "keys-301", "keys-701", "hd128", "ring-64", "hd96-block"])
+def test_one_kernel_layer_warp_attention(case, prompt_len, ring, monkeypatch):
+    """The one-kernel layer with attention a warp per 32 keys (``LAYER_ATTN`` "warp": one chunk, a chunk's edges,
+    the partials of up to 22 chunks combined, head size 128, a ring before and after it wraps) matches the model;
+    head size 96 runs the block attention instead."""
+    monkeypatch.setattr(decoder_module, "LAYER_ATTN", "warp")
+    model = make_model(**case)
+    assert decoder_for(model).layer_attn() == ("block" if case.get("head_dim") == 96 else "warp")
+    caches = (lambda: [RotatingKVCache(ring) for _ in range(3)]) if ring else None
+    worst, mismatches = compare_steps(model, prompt_len=prompt_len, steps=4, one_kernel_layers=True,
+                                      make_caches=caches)
+    assert worst < 5e-3, worst
+    assert mismatches == 0
+
+
+@gpu
 def test_one_kernel_layers_replayed_in_the_engine():
     """The engine's replayed step (``Engine.compile_fused``) with one kernel a layer gives bitwise the tokens and
     logprobs of the same step built token by token, and, over 40 greedy tokens, nearly the tokens of the five-kernel step

@@ -1,5 +1,6 @@
 """Where the one-kernel layer's time goes (``kernels/layer.cu``): its phases and grid barriers, timed inside the
-kernel, and the replayed step's rate for each barrier (``decoder.LAYER_BARRIER``), alternated in one process.
+kernel, and the replayed step's rate for each barrier (``decoder.LAYER_BARRIER``) and attention phase
+(``decoder.LAYER_ATTN``), alternated in one process.
 
 Random 4-bit g64 weights of the named real shapes (``pipeline.bench.RANDOM_SHAPES``), float16, a 512-token prompt.
 For each variant: ``--tokens`` greedy tokens built token by token with the layer's trace compiled in
@@ -12,10 +13,10 @@ arrival plus that block's lateness; the phase before it ends when its slowest bl
 
 Usage (from the repository root, on a CUDA machine)::
 
-    PYTHONPATH=. python docs/bench/layer_phases.py --shapes smollm2-135m --barriers gen,flip,flip-ra,gen,flip,flip-ra \\
-        --json /tmp/phases.json
+    PYTHONPATH=. python docs/bench/layer_phases.py --shapes smollm2-135m \\
+        --variants gen:block,flip-ra:block,flip-ra:warp,gen:block,flip-ra:block,flip-ra:warp --json /tmp/phases.json
 
-Prints one JSON line per variant.
+Each variant is ``BARRIER:ATTN``. Prints one JSON line per variant.
 """
 
 from __future__ import annotations
@@ -60,16 +61,18 @@ def trace(eng: Engine, prompt: list[int], tokens: int) -> dict:
     return out
 
 
-def run(shape: str, barriers: list[str], tokens: int, trials: int, out: list[dict]) -> None:
+def run(shape: str, variants: list[str], tokens: int, trials: int, out: list[dict]) -> None:
     bm = _load_ours(None, shape, mx.float16, False, 0)
     prompt = list(range(5, 517))
     params = GenerateParams(max_tokens=256, ignore_eos=True)
     eng = Engine(bm.model, [], 4096)
     eng.fused.one_kernel_layers = True
     eng.generate(prompt, params)  # untimed: a shape's first generation runs slower
-    for barrier in barriers:
-        decoder_module.LAYER_BARRIER = barrier
-        row = {"shape": shape, "barrier": barrier, "blocks_per_sm": decoder_module.LAYER_BLOCKS_PER_SM,
+    for variant in variants:
+        barrier, attn = variant.split(":")
+        decoder_module.LAYER_BARRIER, decoder_module.LAYER_ATTN = barrier, attn
+        row = {"shape": shape, "barrier": barrier, "attn": eng.fused.layer_attn(),
+               "blocks_per_sm": decoder_module.LAYER_BLOCKS_PER_SM,
                "trace": trace(eng, prompt, tokens)}
         eng.compile_fused = True
         eng._fused_closures.clear()
@@ -83,7 +86,7 @@ def run(shape: str, barriers: list[str], tokens: int, trials: int, out: list[dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="smollm2-135m")
-    ap.add_argument("--barriers", default="gen,flip,flip-ra,gen,flip,flip-ra")
+    ap.add_argument("--variants", default="gen:block,flip-ra:block,flip-ra:warp,gen:block,flip-ra:block,flip-ra:warp")
     ap.add_argument("--blocks-per-sm", type=int, default=decoder_module.LAYER_BLOCKS_PER_SM)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--trials", type=int, default=3)
@@ -92,7 +95,7 @@ def main() -> None:
     decoder_module.LAYER_BLOCKS_PER_SM = args.blocks_per_sm
     out: list[dict] = []
     for shape in args.shapes.split(","):
-        run(shape, args.barriers.split(","), args.tokens, args.trials, out)
+        run(shape, args.variants.split(","), args.tokens, args.trials, out)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)

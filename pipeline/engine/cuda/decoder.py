@@ -65,6 +65,10 @@ ONE_KERNEL_LAYERS = True
 ONE_KERNEL_MAX_LAYER_BYTES = 8 * 2**20
 LAYER_BLOCKS_PER_SM = 1  # SmolLM2-135M: 885-892 tok/s at 1, 837-847 at 2
 LAYER_ATTN_CHUNK = 256
+# The one-kernel layer's attention phase: "block", attn.cu's body, a block a chunk of LAYER_ATTN_CHUNK keys; "warp",
+# attn.cu's warp_body, a warp a chunk of 32 keys (head sizes 32, 64, 128, 256; others run "block").
+LAYER_ATTN = "block"
+LAYER_WARP_CHUNK = 32
 # The grid barrier between the one-kernel layer's phases (common.cuh): "gen" pl_grid_sync (a count and a generation
 # word, the last block to arrive resets one and advances the other), "flip" pl_grid_sync_flip<false> (one word whose
 # top bit the last arrival flips, fences as cooperative_groups'), "flip-ra" pl_grid_sync_flip<true> (the same with a
@@ -583,12 +587,18 @@ class FusedDecoder:
                         .replace("gridDim.x", "pl_gx"))
 
             qkv_src, qkv_names, pairs = self._qkv_source(qkv, lay["traditional"], lay["pos_scale"], win)
+            attn_io = aliases({"q": ("pl_q", False), "o": ("pl_o", True)})
+            if self.layer_attn() == "warp":
+                attn = fill("layer.cu", "warps", window=win, n_heads=self.n_heads, aliases=attn_io,
+                            body=virtual(fill("attn.cu", "warp_body", head_dim=self.head_dim, window=win,
+                                              group=self.n_heads // self.n_kv_heads, scale=float_literal(self.scale))))
+            else:
+                attn = fill("layer.cu", "heads", window=win, chunk=LAYER_ATTN_CHUNK, n_heads=self.n_heads,
+                            body=virtual(self._attn_source(win, LAYER_ATTN_CHUNK)), aliases=attn_io)
             phases = {
                 "qkv": fill("layer.cu", "blocks", blocks=-(-pairs // WARPS_PER_BLOCK), body=virtual(qkv_src),
                             aliases=aliases({"x": ("hin", False), "q": ("pl_q", True)}) + weights("qkv")),
-                "attn": fill("layer.cu", "heads", window=win, chunk=LAYER_ATTN_CHUNK, n_heads=self.n_heads,
-                             body=virtual(self._attn_source(win, LAYER_ATTN_CHUNK)),
-                             aliases=aliases({"q": ("pl_q", False), "o": ("pl_o", True)})),
+                "attn": attn,
             }
             for name, prefix, mode, x, extra in (
                     ("o_proj", "o", "residual", "pl_o", {"r": ("hin", False), "out": ("pl_h", True)}),
@@ -611,8 +621,16 @@ class FusedDecoder:
 
         sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim, p.bias is not None) for p in projs.values())
         return self._kernel(("layer", sig, lay["traditional"], lay["pos_scale"], win, GEMV_UNROLL, SPLIT_MIN_IN,
-                             SPLIT_UNITS, GEMV_MMA_MODES, MMA_GROUPS_IN_FLIGHT, LAYER_ATTN_CHUNK, LAYER_BARRIER,
+                             SPLIT_UNITS, GEMV_MMA_MODES, MMA_GROUPS_IN_FLIGHT, LAYER_ATTN_CHUNK, self.layer_attn(),
+                             LAYER_BARRIER,
                              self.layer_trace is not None), make)
+
+    def layer_attn(self) -> str:
+        """The one-kernel layer's attention phase for this model: ``LAYER_ATTN``, or "block" where the head size
+        does not suit attn.cu's warp_body (a multiple of 32 whose 32nd part is a power of two up to 8)."""
+        vd = self.head_dim // 32
+        fits = self.head_dim % 32 == 0 and vd & (vd - 1) == 0 and vd <= 8
+        return LAYER_ATTN if fits else "block"
 
     def _layer(self, lay: dict, h: mx.array, pos: mx.array, cache) -> mx.array:
         """The layer as one kernel (``kernels/layer.cu``): the residual stream ``(hidden,)`` after it; the token's key
@@ -631,14 +649,14 @@ class FusedDecoder:
         """Make every cache buffer hold at least ``n_positions`` positions (a ring: ``min(n_positions,
         max_size)`` slots), row-contiguous and materialized (MLX returns the update itself for a slice
         update that covers the whole buffer: a prefill that fills the buffer leaves it a transposed view of
-        the new keys), and size the attention scratch (``n_heads * ceil(n_positions /
-        attn_chunk) * (head_dim + 2)`` float32)."""
+        the new keys), and size the attention scratch (``n_heads * ceil(n_positions / c) * (head_dim + 2)``
+        float32, c the smaller of ``attn_chunk`` and ``LAYER_WARP_CHUNK``: enough for either attention)."""
         for c in caches:
             c.reserve(n_positions)
             if c.keys is not None:  # a prefill that filled the whole buffer left it a view of its keys
                 c.keys, c.values = mx.contiguous(c.keys), mx.contiguous(c.values)
         mx.eval([c.state for c in caches])
-        splits = -(-n_positions // self.attn_chunk)
+        splits = -(-n_positions // min(self.attn_chunk, LAYER_WARP_CHUNK))
         need = self.n_heads * splits * (self.head_dim + 2)
         if self._scratch is None or self._scratch.size < need:
             self._scratch = mx.zeros((need,), mx.float32)

@@ -106,3 +106,90 @@
     o[h * D + d] = static_cast<T>(num / den);
   }
   if (t == 0) const_cast<int*>(counts)[h] = 0;
+//@ warp_body
+  // One WARP (not a block) per chunk of 32 keys of head h (pl_layer's "warps" phase, LAYER_ATTN "warp"): lane i
+  // scores key s * 32 + i, the softmax's max and sum are the warp's, each lane sums $head_dim / 32 consecutive values
+  // of the 32 value rows (all 32 loads in flight), and with several chunks the last warp of the head to finish
+  // combines the partials (max, sum, weighted values) from scratch as the block version above does. Needs
+  // $head_dim a multiple of 32 with $head_dim / 32 a power of two <= 8 (FusedDecoder.layer_attn).
+  constexpr int D = $head_dim, G = $group, VEC = 16 / sizeof(T), WIN = $window, VD = D / 32;
+  static_assert(D % 32 == 0 && (VD & (VD - 1)) == 0 && VD <= 8, "warp attention: head size");
+  struct alignas(VD * sizeof(T)) Vec { T v[VD]; };
+  __shared__ float pl_aq[8][D];
+  const int h = blockIdx.y, s = blockIdx.x, lane = threadIdx.x & 31;
+  float* const qs = pl_aq[threadIdx.x >> 5];
+  const int L = WIN ? min(pos[0] + 1, WIN) : pos[0] + 1;
+  const int NS = (L + 31) / 32;
+  const size_t cap = kc_shape[2];
+  const int kvh = h / G;
+#pragma unroll
+  for (int j = 0; j < VD; j++) qs[lane * VD + j] = static_cast<float>(q[h * D + lane * VD + j]) * $scale;
+  __syncwarp();
+  const int k = s * 32 + lane;
+  float sc = PL_NEG_INF;
+  if (k < L) {
+    const T* kr = kc + ((size_t)kvh * cap + k) * D;
+    float acc = 0.f;
+#pragma unroll
+    for (int d = 0; d < D; d += VEC) {
+      uint4 v = *reinterpret_cast<const uint4*>(kr + d);
+      const T* kv = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int i = 0; i < VEC; i++) acc += qs[d + i] * static_cast<float>(kv[i]);
+    }
+    sc = acc;
+  }
+  const float m = pl_warp_max(sc);
+  const float e = (k < L) ? expf(sc - m) : 0.f;
+  const float l = pl_warp_sum(e);
+  const int kend = min(32, L - s * 32);
+  const T* vbase = vc + ((size_t)kvh * cap + (size_t)s * 32) * D + lane * VD;
+  float acc[VD];
+#pragma unroll
+  for (int j = 0; j < VD; j++) acc[j] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; i++) {
+    const float p = __shfl_sync(0xffffffffu, e, i);
+    if (i < kend) {
+      const Vec vv = *reinterpret_cast<const Vec*>(vbase + (size_t)i * D);
+#pragma unroll
+      for (int j = 0; j < VD; j++) acc[j] += p * static_cast<float>(vv.v[j]);
+    }
+  }
+  if (NS == 1) {
+#pragma unroll
+    for (int j = 0; j < VD; j++) o[h * D + lane * VD + j] = static_cast<T>(acc[j] / l);
+    return;
+  }
+  float* part = const_cast<float*>(scratch) + ((size_t)h * NS + s) * (D + 2);
+  if (lane == 0) {
+    part[0] = m;
+    part[1] = l;
+  }
+#pragma unroll
+  for (int j = 0; j < VD; j++) part[2 + lane * VD + j] = acc[j];
+  __threadfence();
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(const_cast<int*>(counts) + h, 1) == NS - 1;
+  if (!__shfl_sync(0xffffffffu, last, 0)) return;
+  __threadfence();
+  const float* base = scratch + (size_t)h * NS * (D + 2);
+  float M = PL_NEG_INF;
+  for (int i = lane; i < NS; i += 32) M = fmaxf(M, __ldcg(base + (size_t)i * (D + 2)));
+  M = pl_warp_max(M);
+  float den = 0.f;
+  for (int i = lane; i < NS; i += 32)
+    den += __ldcg(base + (size_t)i * (D + 2) + 1) * expf(__ldcg(base + (size_t)i * (D + 2)) - M);
+  den = pl_warp_sum(den);
+  float num[VD];
+#pragma unroll
+  for (int j = 0; j < VD; j++) num[j] = 0.f;
+  for (int i = 0; i < NS; i++) {
+    const float f = expf(__ldcg(base + (size_t)i * (D + 2)) - M);
+#pragma unroll
+    for (int j = 0; j < VD; j++) num[j] += __ldcg(base + (size_t)i * (D + 2) + 2 + lane * VD + j) * f;
+  }
+#pragma unroll
+  for (int j = 0; j < VD; j++) o[h * D + lane * VD + j] = static_cast<T>(num[j] / den);
+  if (lane == 0) const_cast<int*>(counts)[h] = 0;

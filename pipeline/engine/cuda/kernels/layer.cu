@@ -10,6 +10,8 @@
 //
 // blocks: a body run once per virtual block 0..$blocks-1 (qkv.cu: one warp a rotation pair).
 // heads: attn.cu's body over the virtual grid (key chunk, head), the chunks those of the filled slots.
+// warps: attn.cu's warp_body, a WARP per virtual (key chunk of 32, head), the chunks those of the filled slots, the
+// virtual blocks dealt to the grid's warps SM by SM (warp 0 of every block first).
 // strided: a body that strides over its rows by the grid itself (gemv.cu's bodies), run once.
 //@ blocks
   {
@@ -34,6 +36,21 @@ $body
       pl_run(pl_v % pl_chunks, pl_v / pl_chunks);
       __syncthreads();
     }
+  }
+//@ warps
+  {
+$aliases
+    const int pl_len = $window ? min(pos[0] + 1, $window) : pos[0] + 1;
+    const int pl_chunks = (pl_len + 31) / 32;
+    auto pl_run = [&](const int pl_bx, const int pl_by) {
+$body
+    };
+    for (int pl_v = (threadIdx.x >> 5) * gridDim.x + blockIdx.x; pl_v < pl_chunks * $n_heads;
+         pl_v += gridDim.x * (blockDim.x >> 5)) {
+      pl_run(pl_v % pl_chunks, pl_v / pl_chunks);
+      __syncwarp();
+    }
+    __syncthreads();
   }
 //@ strided
   {
