@@ -307,7 +307,7 @@ def test_one_kernel_layer_barriers_and_trace(barrier, traced, monkeypatch):
     assert mismatches == 0
     if traced:
         tr = np.array(seen["dec"].layer_trace).reshape(-1, 16)
-        assert (tr[:, 11] == 3 * len(model.layers)).all()
+        assert (tr[:, 11] == 3 * len(model.model.layers)).all()
         assert (tr[:, :11] > 0).all()
 
 
@@ -326,6 +326,24 @@ def test_one_kernel_layer_warp_attention(case, prompt_len, ring, monkeypatch):
     assert decoder_for(model).layer_attn() == ("block" if case.get("head_dim") == 96 else "warp")
     caches = (lambda: [RotatingKVCache(ring) for _ in range(3)]) if ring else None
     worst, mismatches = compare_steps(model, prompt_len=prompt_len, steps=4, one_kernel_layers=True,
+                                      make_caches=caches)
+    assert worst < 5e-3, worst
+    assert mismatches == 0
+
+
+@gpu
+@pytest.mark.parametrize("attn, prefetch", [("block", "all"), ("warp", "ogd"), ("warp", "none")])
+@pytest.mark.parametrize("prompt_len, ring", [(1, None), (300, None), (700, None), (200, 64)],
+                         ids=["one-key", "keys-301", "keys-701", "ring-64"])
+def test_one_kernel_layer_deferred_combine(attn, prefetch, prompt_len, ring, monkeypatch):
+    """The attention's partials combined by the o projection's prologue (``LAYER_ATTN_DEFER``), after either
+    attention phase, with and without the L2 prefetch of the weights (``LAYER_PREFETCH``): the logits match the
+    model's for one chunk, several, and a ring after it wraps."""
+    monkeypatch.setattr(decoder_module, "LAYER_ATTN", attn)
+    monkeypatch.setattr(decoder_module, "LAYER_ATTN_DEFER", True)
+    monkeypatch.setattr(decoder_module, "LAYER_PREFETCH", prefetch)
+    caches = (lambda: [RotatingKVCache(ring) for _ in range(3)]) if ring else None
+    worst, mismatches = compare_steps(make_model(), prompt_len=prompt_len, steps=4, one_kernel_layers=True,
                                       make_caches=caches)
     assert worst < 5e-3, worst
     assert mismatches == 0

@@ -1,6 +1,6 @@
 """Where the one-kernel layer's time goes (``kernels/layer.cu``): its phases and grid barriers, timed inside the
 kernel, and the replayed step's rate for each barrier (``decoder.LAYER_BARRIER``) and attention phase
-(``decoder.LAYER_ATTN``), alternated in one process.
+(``decoder.LAYER_ATTN``, ``LAYER_ATTN_DEFER``) and L2 prefetch (``LAYER_PREFETCH``), alternated in one process.
 
 Random 4-bit g64 weights of the named real shapes (``pipeline.bench.RANDOM_SHAPES``), float16, a 512-token prompt.
 For each variant: ``--tokens`` greedy tokens built token by token with the layer's trace compiled in
@@ -16,7 +16,8 @@ Usage (from the repository root, on a CUDA machine)::
     PYTHONPATH=. python docs/bench/layer_phases.py --shapes smollm2-135m \\
         --variants gen:block,flip-ra:block,flip-ra:warp,gen:block,flip-ra:block,flip-ra:warp --json /tmp/phases.json
 
-Each variant is ``BARRIER:ATTN``. Prints one JSON line per variant.
+Each variant is ``BARRIER:ATTN[:defer][:ogd|:all]`` (``LAYER_BARRIER``, ``LAYER_ATTN``, ``LAYER_ATTN_DEFER``,
+``LAYER_PREFETCH``). Prints one JSON line per variant.
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ def run(shape: str, variants: list[str], tokens: int, trials: int, out: list[dic
     eng.fused.one_kernel_layers = True
     eng.generate(prompt, params)  # untimed: a shape's first generation runs slower
     for variant in variants:
-        barrier, attn = variant.split(":")
+        barrier, attn, *flags = variant.split(":")
+        prefetch = next((f for f in flags if f in ("ogd", "all")), "none")
         decoder_module.LAYER_BARRIER, decoder_module.LAYER_ATTN = barrier, attn
-        row = {"shape": shape, "barrier": barrier, "attn": eng.fused.layer_attn(),
+        decoder_module.LAYER_ATTN_DEFER, decoder_module.LAYER_PREFETCH = "defer" in flags, prefetch
+        row = {"shape": shape, "barrier": barrier, "attn": eng.fused.layer_attn(), "defer": "defer" in flags,
+               "prefetch": prefetch,
                "blocks_per_sm": decoder_module.LAYER_BLOCKS_PER_SM,
                "trace": trace(eng, prompt, tokens)}
         eng.compile_fused = True

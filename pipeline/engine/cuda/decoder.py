@@ -69,6 +69,13 @@ LAYER_ATTN_CHUNK = 256
 # attn.cu's warp_body, a warp a chunk of 32 keys (head sizes 32, 64, 128, 256; others run "block").
 LAYER_ATTN = "block"
 LAYER_WARP_CHUNK = 32
+# LAYER_ATTN_DEFER: the attention phase leaves every chunk's partial softmax in scratch and the o projection's
+# prologue combines them after the barrier (layer.cu's combine_x), instead of the last block of a head combining them
+# behind a fence and an atomic count (only where the o projection stages x: not split, not on tensor cores).
+LAYER_ATTN_DEFER = False
+# LAYER_PREFETCH: the weights the grid asks L2 for when the layer starts (layer.cu's prefetch): "none", "ogd" (the o,
+# gate/up and down projections', which the later phases read), "all" (the q/k/v projection's too).
+LAYER_PREFETCH = "none"
 # The grid barrier between the one-kernel layer's phases (common.cuh): "gen" pl_grid_sync (a count and a generation
 # word, the last block to arrive resets one and advances the other), "flip" pl_grid_sync_flip<false> (one word whose
 # top bit the last arrival flips, fences as cooperative_groups'), "flip-ra" pl_grid_sync_flip<true> (the same with a
@@ -431,10 +438,11 @@ class FusedDecoder:
 
         return self._kernel(("attn", win, self.attn_chunk), make)
 
-    def _attn_source(self, win: int, chunk: int) -> str:
-        """``kernels/attn.cu``'s body for blocks of ``chunk`` keys (and threads)."""
+    def _attn_source(self, win: int, chunk: int, defer: bool = False) -> str:
+        """``kernels/attn.cu``'s body for blocks of ``chunk`` keys (and threads); ``defer``: every chunk's partial
+        left in scratch, none combined (the one-kernel layer's ``LAYER_ATTN_DEFER``)."""
         return fill("attn.cu", "body", head_dim=self.head_dim, chunk=chunk, group=self.n_heads // self.n_kv_heads,
-                    window=win, scale=float_literal(self.scale))
+                    window=win, scale=float_literal(self.scale), defer=str(defer).lower())
 
     # GEMV modes: (prologue staging x, epilogue storing the rows).
     # prologue "copy": x as is; "norm": rms_norm(x, nw); "res" (Gemma 3): hout = h + rms_norm(x, wpost),
@@ -478,8 +486,10 @@ class FusedDecoder:
         return self._kernel(("gemv", mode, sig(proj), sig(proj2), SPLIT_MIN_IN, SPLIT_UNITS, GEMV_UNROLL, mma,
                              MMA_GROUPS_IN_FLIGHT), make)
 
-    def _gemv_source(self, proj: Proj, mode: str, proj2: Proj | None = None) -> GemvSource:
-        """``kernels/gemv.cu``'s body for ``mode`` and these weights (on tensor cores where ``_mma_problem`` allows)."""
+    def _gemv_source(self, proj: Proj, mode: str, proj2: Proj | None = None, prologue: str | None = None
+                     ) -> GemvSource:
+        """``kernels/gemv.cu``'s body for ``mode`` and these weights (on tensor cores where ``_mma_problem`` allows);
+        ``prologue``: CUDA statements that stage x in ``xs`` instead of the mode's (the warp-per-row body only)."""
         pre, post = self.GEMV_MODES[mode]
         if self._mma_problem(proj, mode) is None:
             return self._gemv_mma_source(proj, mode)
@@ -494,7 +504,7 @@ class FusedDecoder:
         else:
             dots = proj.rows_dot(r, split=split)
         src = fill("gemv.cu", "body_split" if split else "body", in_dim=proj.in_dim, n_out=n_out,
-                   units=units, prologue=self._prologue(pre, proj.vals(self.dtype)), n_rows=r,
+                   units=units, prologue=prologue or self._prologue(pre, proj.vals(self.dtype)), n_rows=r,
                    row_index=fill("gemv.cu", "row_index_pair" if post == "swiglu" else "row_index"),
                    dots=dots, store=fill("gemv.cu", f"store_{post}"))
         names = list(self.PROLOGUE_INPUTS[pre])
@@ -588,13 +598,17 @@ class FusedDecoder:
 
             qkv_src, qkv_names, pairs = self._qkv_source(qkv, lay["traditional"], lay["pos_scale"], win)
             attn_io = aliases({"q": ("pl_q", False), "o": ("pl_o", True)})
-            if self.layer_attn() == "warp":
+            warp = self.layer_attn() == "warp"
+            if warp:
                 attn = fill("layer.cu", "warps", window=win, n_heads=self.n_heads, aliases=attn_io,
                             body=virtual(fill("attn.cu", "warp_body", head_dim=self.head_dim, window=win,
-                                              group=self.n_heads // self.n_kv_heads, scale=float_literal(self.scale))))
+                                              group=self.n_heads // self.n_kv_heads, scale=float_literal(self.scale),
+                                              defer=str(defer).lower())))
             else:
                 attn = fill("layer.cu", "heads", window=win, chunk=LAYER_ATTN_CHUNK, n_heads=self.n_heads,
-                            body=virtual(self._attn_source(win, LAYER_ATTN_CHUNK)), aliases=attn_io)
+                            body=virtual(self._attn_source(win, LAYER_ATTN_CHUNK, defer)), aliases=attn_io)
+            combine = fill("layer.cu", "combine_x", head_dim=self.head_dim, window=win, vals=lay["o"].vals(self.dtype),
+                           chunk=LAYER_WARP_CHUNK if warp else LAYER_ATTN_CHUNK) if defer else None
             phases = {
                 "qkv": fill("layer.cu", "blocks", blocks=-(-pairs // WARPS_PER_BLOCK), body=virtual(qkv_src),
                             aliases=aliases({"x": ("hin", False), "q": ("pl_q", True)}) + weights("qkv")),
@@ -604,14 +618,17 @@ class FusedDecoder:
                     ("o_proj", "o", "residual", "pl_o", {"r": ("hin", False), "out": ("pl_h", True)}),
                     ("gate_up", "gu", "swiglu", "pl_h", {"nw": ("pn", False), "out": ("pl_act", True)}),
                     ("down", "dn", "residual", "pl_act", {"r": ("pl_h", False), "out": ("hout", True)})):
-                g = self._gemv_source(projs[prefix], mode)
+                g = self._gemv_source(projs[prefix], mode, prologue=combine if name == "o_proj" else None)
                 phases[name] = fill("layer.cu", "strided", body=virtual(g.source),
                                     aliases=aliases({"x": (x, False), **extra}) + weights(prefix))
+            fetch = {"none": [], "ogd": ["o", "gu", "dn"], "all": ["qkv", "o", "gu", "dn"]}[LAYER_PREFETCH]
+            prefetch = "".join(fill("layer.cu", "prefetch", array=f"{prefix}_{n}", bytes=a.nbytes)
+                               for prefix in fetch for n, a in zip(projs[prefix].names(), projs[prefix].arrays))
             trace = self.layer_trace is not None
             marks = {f"mark{i}": fill("layer.cu", "mark", i=i) if trace else "" for i in range(1, 10)}
             src = fill("layer.cu", "body", q_size=self.n_heads * self.head_dim, hidden=self.hidden,
                        sync=LAYER_SYNCS[LAYER_BARRIER], trace_begin=fill("layer.cu", "trace_begin") if trace else "",
-                       trace_end=fill("layer.cu", "trace_end") if trace else "", **marks, **phases)
+                       trace_end=fill("layer.cu", "trace_end") if trace else "", prefetch=prefetch, **marks, **phases)
             names = ["hin", "nw", *[f"qkv_{n}" for n in qkv.names()], *(["bias"] if qkv.bias is not None else []),
                      "inv_freq", "pos", "kc", "vc", "scratch", "counts", "bar", "work",
                      *[f"o_{n}" for n in lay["o"].names()], "pn", *[f"gu_{n}" for n in lay["gu"].names()],
@@ -619,11 +636,13 @@ class FusedDecoder:
             return mx.fast.cuda_kernel(name="pl_layer", input_names=names, output_names=["hout"], source=src,
                                        header=header())
 
+        o = lay["o"]
+        defer = (LAYER_ATTN_DEFER and not (o.bits and o.in_dim >= SPLIT_MIN_IN)
+                 and self._mma_problem(o, "residual") is not None)
         sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim, p.bias is not None) for p in projs.values())
         return self._kernel(("layer", sig, lay["traditional"], lay["pos_scale"], win, GEMV_UNROLL, SPLIT_MIN_IN,
                              SPLIT_UNITS, GEMV_MMA_MODES, MMA_GROUPS_IN_FLIGHT, LAYER_ATTN_CHUNK, self.layer_attn(),
-                             LAYER_BARRIER,
-                             self.layer_trace is not None), make)
+                             LAYER_BARRIER, defer, LAYER_PREFETCH, self.layer_trace is not None), make)
 
     def layer_attn(self) -> str:
         """The one-kernel layer's attention phase for this model: ``LAYER_ATTN``, or "block" where the head size

@@ -329,6 +329,15 @@ __device__ __forceinline__ void pl_mma_rows(const uint32_t* wq, const T* sc, con
   o1 = acc1;
 }
 
+// L2 prefetch of the n bytes at p by the whole grid: thread i of the grid (block-major) asks for the 128-byte lines
+// i, i + grid threads, ... (PTX prefetch.global.L2: no registers, no wait).
+__device__ __forceinline__ void pl_prefetch_l2(const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  const size_t stride = (size_t)gridDim.x * blockDim.x * 128;
+  for (size_t o = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 128; o < n; o += stride)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
+}
+
 // Barrier over the whole grid of a kernel whose blocks are all resident at once (pl_layer's grid: see layer.cu): bar[0] counts the blocks arrived, bar[32] (another 128-byte line, so the waiting
 // blocks' reads do not contend with the arrivals) is the barrier's generation; the last block to arrive resets the
 // count and advances the generation, which the others wait for. The state returns to count 0 after every barrier,
