@@ -16,8 +16,8 @@ Usage (from the repository root, on a CUDA machine)::
     PYTHONPATH=. python docs/bench/layer_phases.py --shapes smollm2-135m \\
         --variants gen:block,flip-ra:block,flip-ra:warp,gen:block,flip-ra:block,flip-ra:warp --json /tmp/phases.json
 
-Each variant is ``BARRIER:ATTN[:defer][:ogd|:all]`` (``LAYER_BARRIER``, ``LAYER_ATTN``, ``LAYER_ATTN_DEFER``,
-``LAYER_PREFETCH``). Prints one JSON line per variant.
+Each variant is ``BARRIER:ATTN[:defer][:ogd|:all][:next]`` (``LAYER_BARRIER``, ``LAYER_ATTN``,
+``LAYER_ATTN_DEFER``, ``LAYER_PREFETCH``, ``LAYER_PREFETCH_NEXT``). Prints one JSON line per variant.
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ def run(shape: str, variants: list[str], tokens: int, trials: int, out: list[dic
         prefetch = next((f for f in flags if f in ("ogd", "all")), "none")
         decoder_module.LAYER_BARRIER, decoder_module.LAYER_ATTN = barrier, attn
         decoder_module.LAYER_ATTN_DEFER, decoder_module.LAYER_PREFETCH = "defer" in flags, prefetch
+        decoder_module.LAYER_PREFETCH_NEXT = "next" in flags
         row = {"shape": shape, "barrier": barrier, "attn": eng.fused.layer_attn(), "defer": "defer" in flags,
-               "prefetch": prefetch,
+               "prefetch": prefetch, "prefetch_next": "next" in flags,
                "blocks_per_sm": decoder_module.LAYER_BLOCKS_PER_SM,
                "trace": trace(eng, prompt, tokens)}
         eng.compile_fused = True

@@ -76,6 +76,9 @@ LAYER_ATTN_DEFER = False
 # LAYER_PREFETCH: the weights the grid asks L2 for when the layer starts (layer.cu's prefetch): "none", "ogd" (the o,
 # gate/up and down projections', which the later phases read), "all" (the q/k/v projection's too).
 LAYER_PREFETCH = "none"
+# LAYER_PREFETCH_NEXT: the layer also asks L2 for the NEXT layer's q/k/v weights (the first phase's, which its own
+# prefetch comes too late for; the last layer asks for its own again).
+LAYER_PREFETCH_NEXT = False
 # The grid barrier between the one-kernel layer's phases (common.cuh): "gen" pl_grid_sync (a count and a generation
 # word, the last block to arrive resets one and advances the other), "flip" pl_grid_sync_flip<false> (one word whose
 # top bit the last arrival flips, fences as cooperative_groups'), "flip-ra" pl_grid_sync_flip<true> (the same with a
@@ -622,8 +625,11 @@ class FusedDecoder:
                 phases[name] = fill("layer.cu", "strided", body=virtual(g.source),
                                     aliases=aliases({"x": (x, False), **extra}) + weights(prefix))
             fetch = {"none": [], "ogd": ["o", "gu", "dn"], "all": ["qkv", "o", "gu", "dn"]}[LAYER_PREFETCH]
-            prefetch = "".join(fill("layer.cu", "prefetch", array=f"{prefix}_{n}", bytes=a.nbytes)
-                               for prefix in fetch for n, a in zip(projs[prefix].names(), projs[prefix].arrays))
+            fetch = [(f"{prefix}_{n}", a.nbytes) for prefix in fetch
+                     for n, a in zip(projs[prefix].names(), projs[prefix].arrays)]
+            if LAYER_PREFETCH_NEXT:
+                fetch += [(f"next_{n}", a.nbytes) for n, a in zip(qkv.names(), qkv.arrays)]
+            prefetch = "".join(fill("layer.cu", "prefetch", array=a, bytes=n) for a, n in fetch)
             trace = self.layer_trace is not None
             marks = {f"mark{i}": fill("layer.cu", "mark", i=i) if trace else "" for i in range(1, 10)}
             src = fill("layer.cu", "body", q_size=self.n_heads * self.head_dim, hidden=self.hidden,
@@ -632,7 +638,9 @@ class FusedDecoder:
             names = ["hin", "nw", *[f"qkv_{n}" for n in qkv.names()], *(["bias"] if qkv.bias is not None else []),
                      "inv_freq", "pos", "kc", "vc", "scratch", "counts", "bar", "work",
                      *[f"o_{n}" for n in lay["o"].names()], "pn", *[f"gu_{n}" for n in lay["gu"].names()],
-                     *[f"dn_{n}" for n in lay["down"].names()], *(["trace"] if trace else [])]
+                     *[f"dn_{n}" for n in lay["down"].names()],
+                     *([f"next_{n}" for n in qkv.names()] if LAYER_PREFETCH_NEXT else []),
+                     *(["trace"] if trace else [])]
             return mx.fast.cuda_kernel(name="pl_layer", input_names=names, output_names=["hout"], source=src,
                                        header=header())
 
@@ -642,7 +650,8 @@ class FusedDecoder:
         sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim, p.bias is not None) for p in projs.values())
         return self._kernel(("layer", sig, lay["traditional"], lay["pos_scale"], win, GEMV_UNROLL, SPLIT_MIN_IN,
                              SPLIT_UNITS, GEMV_MMA_MODES, MMA_GROUPS_IN_FLIGHT, LAYER_ATTN_CHUNK, self.layer_attn(),
-                             LAYER_BARRIER, defer, LAYER_PREFETCH, self.layer_trace is not None), make)
+                             LAYER_BARRIER, defer, LAYER_PREFETCH, LAYER_PREFETCH_NEXT, self.layer_trace is not None),
+                            make)
 
     def layer_attn(self) -> str:
         """The one-kernel layer's attention phase for this model: ``LAYER_ATTN``, or "block" where the head size
@@ -651,14 +660,16 @@ class FusedDecoder:
         fits = self.head_dim % 32 == 0 and vd & (vd - 1) == 0 and vd <= 8
         return LAYER_ATTN if fits else "block"
 
-    def _layer(self, lay: dict, h: mx.array, pos: mx.array, cache) -> mx.array:
+    def _layer(self, lay: dict, h: mx.array, pos: mx.array, cache, nxt: dict | None = None) -> mx.array:
         """The layer as one kernel (``kernels/layer.cu``): the residual stream ``(hidden,)`` after it; the token's key
-        and value written into ``cache``."""
+        and value written into ``cache``. ``nxt``: the next layer, whose q/k/v weights it asks L2 for
+        (``LAYER_PREFETCH_NEXT``; None: its own)."""
         kern = self._layer_kernel(lay, cache.max_size or 0)
         qkv = lay["qkv"]
         inputs = [h, lay["in_norm"], *qkv.arrays, *([qkv.bias] if qkv.bias is not None else []), lay["inv_freq"],
                   pos, cache.keys, cache.values, self._scratch, self._counts, self._barrier, self._work,
                   *lay["o"].arrays, lay["post_norm"], *lay["gu"].arrays, *lay["down"].arrays,
+                  *((nxt or lay)["qkv"].arrays if LAYER_PREFETCH_NEXT else []),
                   *([self.layer_trace] if self.layer_trace is not None else [])]
         return self._launch(kern, inputs, sm_count() * LAYER_BLOCKS_PER_SM, self.hidden)
 
@@ -704,9 +715,9 @@ class FusedDecoder:
 
     def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
         h = self._embed(token)
-        for lay, c in zip(self.layers, caches):
+        for i, (lay, c) in enumerate(zip(self.layers, caches)):
             if self.one_kernel_layers:
-                h = self._layer(lay, h, pos, c)
+                h = self._layer(lay, h, pos, c, self.layers[i + 1] if i + 1 < len(self.layers) else None)
                 continue
             q = self._query(lay, h, pos, c)
             o = self._attend(q, pos, n_ctx, c)
