@@ -16,8 +16,9 @@ Usage (from the repository root, on a CUDA machine)::
     PYTHONPATH=. python docs/bench/layer_phases.py --shapes smollm2-135m \\
         --variants gen:block,flip-ra:block,flip-ra:warp,gen:block,flip-ra:block,flip-ra:warp --json /tmp/phases.json
 
-Each variant is ``BARRIER:ATTN[:defer][:ogd|:all][:next]`` (``LAYER_BARRIER``, ``LAYER_ATTN``,
-``LAYER_ATTN_DEFER``, ``LAYER_PREFETCH``, ``LAYER_PREFETCH_NEXT``). Prints one JSON line per variant.
+Each variant is ``BARRIER:ATTN[:defer][:ogd|:all][:next][:nomma]`` (``LAYER_BARRIER``, ``LAYER_ATTN``,
+``LAYER_ATTN_DEFER``, ``LAYER_PREFETCH``, ``LAYER_PREFETCH_NEXT``); ``:nomma``: no GEMV on tensor cores
+(``GEMV_MMA_MODES`` empty: the gate/up phase a warp per row pair). Prints one JSON line per variant.
 """
 
 from __future__ import annotations
@@ -69,14 +70,17 @@ def run(shape: str, variants: list[str], tokens: int, trials: int, out: list[dic
     eng = Engine(bm.model, [], 4096)
     eng.fused.one_kernel_layers = True
     eng.generate(prompt, params)  # untimed: a shape's first generation runs slower
+    mma_modes = decoder_module.GEMV_MMA_MODES
     for variant in variants:
         barrier, attn, *flags = variant.split(":")
         prefetch = next((f for f in flags if f in ("ogd", "all")), "none")
         decoder_module.LAYER_BARRIER, decoder_module.LAYER_ATTN = barrier, attn
         decoder_module.LAYER_ATTN_DEFER, decoder_module.LAYER_PREFETCH = "defer" in flags, prefetch
         decoder_module.LAYER_PREFETCH_NEXT = "next" in flags
+        decoder_module.GEMV_MMA_MODES = () if "nomma" in flags else mma_modes
         row = {"shape": shape, "barrier": barrier, "attn": eng.fused.layer_attn(), "defer": "defer" in flags,
                "prefetch": prefetch, "prefetch_next": "next" in flags,
+               "gemv_mma_modes": decoder_module.GEMV_MMA_MODES,
                "blocks_per_sm": decoder_module.LAYER_BLOCKS_PER_SM,
                "trace": trace(eng, prompt, tokens)}
         eng.compile_fused = True
