@@ -594,7 +594,7 @@ def test_one_kernel_layers_launch_plan(case, monkeypatch):
         assert k["inputs"]["kc"] == caches[i].keys.shape
         assert ("bias" in k["inputs"]) == (case.get("model_type") == "qwen2")
     src = next(s for s in _RecordingKernel.sources if "pl_grid_sync" in s)
-    assert src.count("pl_grid_sync(bar)") == 4
+    assert src.count(decoder_module.LAYER_SYNCS[decoder_module.LAYER_BARRIER] + ";") == 4
     assert "blockIdx.y" not in src and src.count("pl_run(") == 5
     assert dec.layer_blocker() is None
 

@@ -82,8 +82,10 @@ LAYER_PREFETCH_NEXT = False
 # The grid barrier between the one-kernel layer's phases (common.cuh): "gen" pl_grid_sync (a count and a generation
 # word, the last block to arrive resets one and advances the other), "flip" pl_grid_sync_flip<false> (one word whose
 # top bit the last arrival flips, fences as cooperative_groups'), "flip-ra" pl_grid_sync_flip<true> (the same with a
-# release add and acquire loads instead of the fences).
-LAYER_BARRIER = "gen"
+# release add and acquire loads instead of the fences). flip-ra: H100, SmolLM2-135M shape, replayed step alternated in
+# one process, gen 835 / 879 tok/s, flip-ra 945 / 949; the layer 27.8-28.2 us a call against 31.0-35.8 (phase trace,
+# docs/BENCHMARKS.md, 2026-12-06 (night)).
+LAYER_BARRIER = "flip-ra"
 LAYER_SYNCS = {"gen": "pl_grid_sync(bar)", "flip": "pl_grid_sync_flip<false>(bar + 48)",
                "flip-ra": "pl_grid_sync_flip<true>(bar + 48)"}
 
@@ -254,13 +256,13 @@ class FusedDecoder:
         self.attn_chunk = attn_chunk(self.n_heads)
         self._scratch = None
         self._counts = mx.zeros((self.n_heads,), mx.int32)
-        # one_kernel_layers: kernels/layer.cu's state (the grid barrier's count and generation) and the vectors
+        # one_kernel_layers: kernels/layer.cu's state (the grid barrier's words) and the vectors
         # its phases pass on (q, the attention output, the residual stream after attention, the MLP activation)
         self.one_kernel_layers = (ONE_KERNEL_LAYERS and self.layer_bytes() <= ONE_KERNEL_MAX_LAYER_BYTES
                                   and self.layer_blocker() is None)
-        # 64 words: the barrier's two words 128 bytes apart (common.cuh's pl_grid_sync), and more than 8 bytes, which
-        # MLX's CUDA allocator would place in its small pool, managed memory advised read-mostly: there the
-        # barrier's atomics cost ~5 us each (H200: a SmolLM2-135M layer 3.1 ms instead of microseconds)
+        # 64 words: the barriers' words (common.cuh: pl_grid_sync's [0] and [32], 128 bytes apart; pl_grid_sync_flip's
+        # [48]), and more than 8 bytes, which MLX's CUDA allocator would place in its small pool, managed memory advised
+        # read-mostly: there the barrier's atomics cost ~5 us each (H200: a SmolLM2-135M layer 3.1 ms, not microseconds)
         self._barrier = mx.zeros((64,), mx.uint32)
         # benchmarks only: a uint64 array of 16 words a block of the layer's grid that kernels/layer.cu adds its
         # phases' and barriers' clock cycles to (its trace section), or None (no trace compiled in)
