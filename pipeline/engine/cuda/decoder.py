@@ -71,11 +71,15 @@ LAYER_ATTN = "block"
 LAYER_WARP_CHUNK = 32
 # LAYER_ATTN_DEFER: the attention phase leaves every chunk's partial softmax in scratch and the o projection's
 # prologue combines them after the barrier (layer.cu's combine_x), instead of the last block of a head combining them
-# behind a fence and an atomic count (only where the o projection stages x: not split, not on tensor cores).
+# behind a fence and an atomic count (only where the o projection stages x: not split, not on tensor cores). Off:
+# H200, SmolLM2-135M shape, the o phase then took 8.1 us (block) / 11.0 (warp) instead of 1.8, and the replayed step
+# 870 / 790 tok/s against 909-954 without (docs/BENCHMARKS.md, 2026-12-06 (night)).
 LAYER_ATTN_DEFER = False
 # LAYER_PREFETCH: the weights the grid asks L2 for when the layer starts (layer.cu's prefetch): "none", "ogd" (the o,
-# gate/up and down projections', which the later phases read), "all" (the q/k/v projection's too).
-LAYER_PREFETCH = "none"
+# gate/up and down projections', which the later phases read), "all" (the q/k/v projection's too). "all": H200,
+# SmolLM2-135M shape, replayed step alternated in one process, none 874-934 tok/s, "all" 987-1,025, "ogd" with
+# LAYER_PREFETCH_NEXT 980-999 (gate/up 4.3 -> 3.8 us, down 3.0 -> 2.5; docs/BENCHMARKS.md, 2026-12-06 (night)).
+LAYER_PREFETCH = "all"
 # LAYER_PREFETCH_NEXT: the layer also asks L2 for the NEXT layer's q/k/v weights (the first phase's, which its own
 # prefetch comes too late for; the last layer asks for its own again).
 LAYER_PREFETCH_NEXT = False
