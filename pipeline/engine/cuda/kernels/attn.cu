@@ -11,7 +11,7 @@
 // (pipeline/engine/cuda/decoder.py).
 //@ body
 
-  constexpr int D = $head_dim, CH = $chunk, NT = $chunk, G = $group, VEC = 16 / sizeof(T), WIN = $window;
+  constexpr int D = $head_dim, CH = $chunk, NT = $chunk, G = $group, WIN = $window;
   __shared__ float qs[D];
   __shared__ float pr[CH];
   __shared__ float red[32];
@@ -25,19 +25,7 @@
   for (int d = t; d < D; d += NT) qs[d] = static_cast<float>(q[h * D + d]) * $scale;
   __syncthreads();
   const int k = s * CH + t;
-  float sc = PL_NEG_INF;
-  if (k < L) {
-    const T* kr = kc + ((size_t)kvh * cap + k) * D;
-    float acc = 0.f;
-#pragma unroll
-    for (int d = 0; d < D; d += VEC) {
-      uint4 v = *reinterpret_cast<const uint4*>(kr + d);
-      const T* kv = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int i = 0; i < VEC; i++) acc += qs[d + i] * static_cast<float>(kv[i]);
-    }
-    sc = acc;
-  }
+  const float sc = k < L ? pl_key_dot<T, D>(kc + ((size_t)kvh * cap + k) * D, qs) : PL_NEG_INF;
   const float m = pl_block_max<NT>(sc, red);
   const float e = (k < L) ? expf(sc - m) : 0.f;
   pr[t] = e;
@@ -115,7 +103,7 @@
   // of the 32 value rows (all 32 loads in flight), and with several chunks the last warp of the head to finish
   // combines the partials (max, sum, weighted values) from scratch as the block version above does. Needs
   // $head_dim a multiple of 32 with $head_dim / 32 a power of two <= 8 (FusedDecoder.layer_attn).
-  constexpr int D = $head_dim, G = $group, VEC = 16 / sizeof(T), WIN = $window, VD = D / 32;
+  constexpr int D = $head_dim, G = $group, WIN = $window, VD = D / 32;
   static_assert(D % 32 == 0 && (VD & (VD - 1)) == 0 && VD <= 8, "warp attention: head size");
   struct alignas(VD * sizeof(T)) Vec { T v[VD]; };
   __shared__ float pl_aq[8][D];
@@ -129,19 +117,7 @@
   for (int j = 0; j < VD; j++) qs[lane * VD + j] = static_cast<float>(q[h * D + lane * VD + j]) * $scale;
   __syncwarp();
   const int k = s * 32 + lane;
-  float sc = PL_NEG_INF;
-  if (k < L) {
-    const T* kr = kc + ((size_t)kvh * cap + k) * D;
-    float acc = 0.f;
-#pragma unroll
-    for (int d = 0; d < D; d += VEC) {
-      uint4 v = *reinterpret_cast<const uint4*>(kr + d);
-      const T* kv = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int i = 0; i < VEC; i++) acc += qs[d + i] * static_cast<float>(kv[i]);
-    }
-    sc = acc;
-  }
+  const float sc = k < L ? pl_key_dot<T, D>(kc + ((size_t)kvh * cap + k) * D, qs) : PL_NEG_INF;
   const float m = pl_warp_max(sc);
   const float e = (k < L) ? expf(sc - m) : 0.f;
   const float l = pl_warp_sum(e);

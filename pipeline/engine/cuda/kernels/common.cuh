@@ -329,6 +329,22 @@ __device__ __forceinline__ void pl_mma_rows(const uint32_t* wq, const T* sc, con
   o1 = acc1;
 }
 
+// Score of one key: the dot product of its row kr (D values of T, 16-byte aligned, read 16 bytes at a time) with the
+// query qs (D floats, already scaled; shared memory), summed in float32 in index order (attn.cu's bodies).
+template <typename T, int D>
+__device__ __forceinline__ float pl_key_dot(const T* kr, const float* qs) {
+  constexpr int VEC = 16 / sizeof(T);
+  float acc = 0.f;
+#pragma unroll
+  for (int d = 0; d < D; d += VEC) {
+    const uint4 v = *reinterpret_cast<const uint4*>(kr + d);
+    const T* kv = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < VEC; i++) acc += qs[d + i] * static_cast<float>(kv[i]);
+  }
+  return acc;
+}
+
 // L2 prefetch of the n bytes at p by the whole grid: thread i of the grid (block-major) asks for the 128-byte lines
 // i, i + grid threads, ... (PTX prefetch.global.L2: no registers, no wait).
 __device__ __forceinline__ void pl_prefetch_l2(const void* p, size_t n) {
