@@ -332,17 +332,14 @@ def test_one_kernel_layer_warp_attention(case, prompt_len, ring, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("attn, prefetch, nxt", [("block", "all", False), ("warp", "ogd", True), ("warp", "none", False)])
+@pytest.mark.parametrize("attn, prefetch", [("block", "none"), ("block", "ogd"), ("warp", "all")])
 @pytest.mark.parametrize("prompt_len, ring", [(1, None), (300, None), (700, None), (200, 64)],
                          ids=["one-key", "keys-301", "keys-701", "ring-64"])
-def test_one_kernel_layer_deferred_combine(attn, prefetch, nxt, prompt_len, ring, monkeypatch):
-    """The attention's partials combined by the o projection's prologue (``LAYER_ATTN_DEFER``), after either
-    attention phase, with and without the L2 prefetch of the weights (``LAYER_PREFETCH``, ``LAYER_PREFETCH_NEXT``):
-    the logits match the model's for one chunk, several, and a ring after it wraps."""
+def test_one_kernel_layer_prefetch(attn, prefetch, prompt_len, ring, monkeypatch):
+    """Each L2 prefetch of the layer's weights (``LAYER_PREFETCH``), after either attention phase: the logits match
+    the model's for one chunk, several, and a ring after it wraps."""
     monkeypatch.setattr(decoder_module, "LAYER_ATTN", attn)
-    monkeypatch.setattr(decoder_module, "LAYER_ATTN_DEFER", True)
     monkeypatch.setattr(decoder_module, "LAYER_PREFETCH", prefetch)
-    monkeypatch.setattr(decoder_module, "LAYER_PREFETCH_NEXT", nxt)
     caches = (lambda: [RotatingKVCache(ring) for _ in range(3)]) if ring else None
     worst, mismatches = compare_steps(make_model(), prompt_len=prompt_len, steps=4, one_kernel_layers=True,
                                       make_caches=caches)

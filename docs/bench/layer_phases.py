@@ -1,6 +1,6 @@
 """Where the one-kernel layer's time goes (``kernels/layer.cu``): its phases and grid barriers, timed inside the
 kernel, and the replayed step's rate for each barrier (``decoder.LAYER_BARRIER``) and attention phase
-(``decoder.LAYER_ATTN``, ``LAYER_ATTN_DEFER``) and L2 prefetch (``LAYER_PREFETCH``), alternated in one process.
+(``decoder.LAYER_ATTN``) and L2 prefetch (``LAYER_PREFETCH``), alternated in one process.
 
 Random 4-bit g64 weights of the named real shapes (``pipeline.bench.RANDOM_SHAPES``), float16, a 512-token prompt.
 For each variant: ``--tokens`` greedy tokens built token by token with the layer's trace compiled in
@@ -16,8 +16,8 @@ Usage (from the repository root, on a CUDA machine)::
     PYTHONPATH=. python docs/bench/layer_phases.py --shapes smollm2-135m \\
         --variants gen:block,flip-ra:block,flip-ra:warp,gen:block,flip-ra:block,flip-ra:warp --json /tmp/phases.json
 
-Each variant is ``BARRIER:ATTN[:defer][:ogd|:all][:next][:nomma]`` (``LAYER_BARRIER``, ``LAYER_ATTN``,
-``LAYER_ATTN_DEFER``, ``LAYER_PREFETCH``, ``LAYER_PREFETCH_NEXT``); ``:nomma``: no GEMV on tensor cores
+Each variant is ``BARRIER:ATTN[:none|:ogd|:all][:nomma]`` (``LAYER_BARRIER``, ``LAYER_ATTN``, ``LAYER_PREFETCH``,
+default "none"); ``:nomma``: no GEMV on tensor cores
 (``GEMV_MMA_MODES`` empty: the gate/up phase a warp per row pair). Prints one JSON line per variant.
 """
 
@@ -73,13 +73,11 @@ def run(shape: str, variants: list[str], tokens: int, trials: int, out: list[dic
     mma_modes = decoder_module.GEMV_MMA_MODES
     for variant in variants:
         barrier, attn, *flags = variant.split(":")
-        prefetch = next((f for f in flags if f in ("ogd", "all")), "none")
+        prefetch = next((f for f in flags if f in ("none", "ogd", "all")), "none")
         decoder_module.LAYER_BARRIER, decoder_module.LAYER_ATTN = barrier, attn
-        decoder_module.LAYER_ATTN_DEFER, decoder_module.LAYER_PREFETCH = "defer" in flags, prefetch
-        decoder_module.LAYER_PREFETCH_NEXT = "next" in flags
+        decoder_module.LAYER_PREFETCH = prefetch
         decoder_module.GEMV_MMA_MODES = () if "nomma" in flags else mma_modes
-        row = {"shape": shape, "barrier": barrier, "attn": eng.fused.layer_attn(), "defer": "defer" in flags,
-               "prefetch": prefetch, "prefetch_next": "next" in flags,
+        row = {"shape": shape, "barrier": barrier, "attn": eng.fused.layer_attn(), "prefetch": prefetch,
                "gemv_mma_modes": decoder_module.GEMV_MMA_MODES,
                "blocks_per_sm": decoder_module.LAYER_BLOCKS_PER_SM,
                "trace": trace(eng, prompt, tokens)}

@@ -69,20 +69,11 @@ LAYER_ATTN_CHUNK = 256
 # attn.cu's warp_body, a warp a chunk of 32 keys (head sizes 32, 64, 128, 256; others run "block").
 LAYER_ATTN = "block"
 LAYER_WARP_CHUNK = 32
-# LAYER_ATTN_DEFER: the attention phase leaves every chunk's partial softmax in scratch and the o projection's
-# prologue combines them after the barrier (layer.cu's combine_x), instead of the last block of a head combining them
-# behind a fence and an atomic count (only where the o projection stages x: not split, not on tensor cores). Off:
-# H200, SmolLM2-135M shape, the o phase then took 8.1 us (block) / 11.0 (warp) instead of 1.8, and the replayed step
-# 870 / 790 tok/s against 909-954 without (docs/BENCHMARKS.md, 2026-12-06 (night)).
-LAYER_ATTN_DEFER = False
 # LAYER_PREFETCH: the weights the grid asks L2 for when the layer starts (layer.cu's prefetch): "none", "ogd" (the o,
 # gate/up and down projections', which the later phases read), "all" (the q/k/v projection's too). "all": H200,
-# SmolLM2-135M shape, replayed step alternated in one process, none 874-934 tok/s, "all" 987-1,025, "ogd" with
-# LAYER_PREFETCH_NEXT 980-999 (gate/up 4.3 -> 3.8 us, down 3.0 -> 2.5; docs/BENCHMARKS.md, 2026-12-06 (night)).
+# SmolLM2-135M shape, replayed step alternated in one process, none 874-934 tok/s, "all" 987-1,025, "ogd" with the next
+# layer's q/k/v weights too 980-999 (gate/up 4.3 -> 3.8 us, down 3.0 -> 2.5; docs/BENCHMARKS.md, 2026-12-06 (night)).
 LAYER_PREFETCH = "all"
-# LAYER_PREFETCH_NEXT: the layer also asks L2 for the NEXT layer's q/k/v weights (the first phase's, which its own
-# prefetch comes too late for; the last layer asks for its own again).
-LAYER_PREFETCH_NEXT = False
 # The grid barrier between the one-kernel layer's phases (common.cuh): "gen" pl_grid_sync (a count and a generation
 # word, the last block to arrive resets one and advances the other), "flip" pl_grid_sync_flip<false> (one word whose
 # top bit the last arrival flips, fences as cooperative_groups'), "flip-ra" pl_grid_sync_flip<true> (the same with a
@@ -447,11 +438,10 @@ class FusedDecoder:
 
         return self._kernel(("attn", win, self.attn_chunk), make)
 
-    def _attn_source(self, win: int, chunk: int, defer: bool = False) -> str:
-        """``kernels/attn.cu``'s body for blocks of ``chunk`` keys (and threads); ``defer``: every chunk's partial
-        left in scratch, none combined (the one-kernel layer's ``LAYER_ATTN_DEFER``)."""
+    def _attn_source(self, win: int, chunk: int) -> str:
+        """``kernels/attn.cu``'s body for blocks of ``chunk`` keys (and threads)."""
         return fill("attn.cu", "body", head_dim=self.head_dim, chunk=chunk, group=self.n_heads // self.n_kv_heads,
-                    window=win, scale=float_literal(self.scale), defer=str(defer).lower())
+                    window=win, scale=float_literal(self.scale))
 
     # GEMV modes: (prologue staging x, epilogue storing the rows).
     # prologue "copy": x as is; "norm": rms_norm(x, nw); "res" (Gemma 3): hout = h + rms_norm(x, wpost),
@@ -495,10 +485,8 @@ class FusedDecoder:
         return self._kernel(("gemv", mode, sig(proj), sig(proj2), SPLIT_MIN_IN, SPLIT_UNITS, GEMV_UNROLL, mma,
                              MMA_GROUPS_IN_FLIGHT), make)
 
-    def _gemv_source(self, proj: Proj, mode: str, proj2: Proj | None = None, prologue: str | None = None
-                     ) -> GemvSource:
-        """``kernels/gemv.cu``'s body for ``mode`` and these weights (on tensor cores where ``_mma_problem`` allows);
-        ``prologue``: CUDA statements that stage x in ``xs`` instead of the mode's (the warp-per-row body only)."""
+    def _gemv_source(self, proj: Proj, mode: str, proj2: Proj | None = None) -> GemvSource:
+        """``kernels/gemv.cu``'s body for ``mode`` and these weights (on tensor cores where ``_mma_problem`` allows)."""
         pre, post = self.GEMV_MODES[mode]
         if self._mma_problem(proj, mode) is None:
             return self._gemv_mma_source(proj, mode)
@@ -513,7 +501,7 @@ class FusedDecoder:
         else:
             dots = proj.rows_dot(r, split=split)
         src = fill("gemv.cu", "body_split" if split else "body", in_dim=proj.in_dim, n_out=n_out,
-                   units=units, prologue=prologue or self._prologue(pre, proj.vals(self.dtype)), n_rows=r,
+                   units=units, prologue=self._prologue(pre, proj.vals(self.dtype)), n_rows=r,
                    row_index=fill("gemv.cu", "row_index_pair" if post == "swiglu" else "row_index"),
                    dots=dots, store=fill("gemv.cu", f"store_{post}"))
         names = list(self.PROLOGUE_INPUTS[pre])
@@ -607,17 +595,13 @@ class FusedDecoder:
 
             qkv_src, qkv_names, pairs = self._qkv_source(qkv, lay["traditional"], lay["pos_scale"], win)
             attn_io = aliases({"q": ("pl_q", False), "o": ("pl_o", True)})
-            warp = self.layer_attn() == "warp"
-            if warp:
+            if self.layer_attn() == "warp":
                 attn = fill("layer.cu", "warps", window=win, n_heads=self.n_heads, aliases=attn_io,
                             body=virtual(fill("attn.cu", "warp_body", head_dim=self.head_dim, window=win,
-                                              group=self.n_heads // self.n_kv_heads, scale=float_literal(self.scale),
-                                              defer=str(defer).lower())))
+                                              group=self.n_heads // self.n_kv_heads, scale=float_literal(self.scale))))
             else:
                 attn = fill("layer.cu", "heads", window=win, chunk=LAYER_ATTN_CHUNK, n_heads=self.n_heads,
-                            body=virtual(self._attn_source(win, LAYER_ATTN_CHUNK, defer)), aliases=attn_io)
-            combine = fill("layer.cu", "combine_x", head_dim=self.head_dim, window=win, vals=lay["o"].vals(self.dtype),
-                           chunk=LAYER_WARP_CHUNK if warp else LAYER_ATTN_CHUNK) if defer else None
+                            body=virtual(self._attn_source(win, LAYER_ATTN_CHUNK)), aliases=attn_io)
             phases = {
                 "qkv": fill("layer.cu", "blocks", blocks=-(-pairs // WARPS_PER_BLOCK), body=virtual(qkv_src),
                             aliases=aliases({"x": ("hin", False), "q": ("pl_q", True)}) + weights("qkv")),
@@ -627,15 +611,12 @@ class FusedDecoder:
                     ("o_proj", "o", "residual", "pl_o", {"r": ("hin", False), "out": ("pl_h", True)}),
                     ("gate_up", "gu", "swiglu", "pl_h", {"nw": ("pn", False), "out": ("pl_act", True)}),
                     ("down", "dn", "residual", "pl_act", {"r": ("pl_h", False), "out": ("hout", True)})):
-                g = self._gemv_source(projs[prefix], mode, prologue=combine if name == "o_proj" else None)
+                g = self._gemv_source(projs[prefix], mode)
                 phases[name] = fill("layer.cu", "strided", body=virtual(g.source),
                                     aliases=aliases({"x": (x, False), **extra}) + weights(prefix))
             fetch = {"none": [], "ogd": ["o", "gu", "dn"], "all": ["qkv", "o", "gu", "dn"]}[LAYER_PREFETCH]
-            fetch = [(f"{prefix}_{n}", a.nbytes) for prefix in fetch
-                     for n, a in zip(projs[prefix].names(), projs[prefix].arrays)]
-            if LAYER_PREFETCH_NEXT:
-                fetch += [(f"next_{n}", a.nbytes) for n, a in zip(qkv.names(), qkv.arrays)]
-            prefetch = "".join(fill("layer.cu", "prefetch", array=a, bytes=n) for a, n in fetch)
+            prefetch = "".join(fill("layer.cu", "prefetch", array=f"{prefix}_{n}", bytes=a.nbytes)
+                               for prefix in fetch for n, a in zip(projs[prefix].names(), projs[prefix].arrays))
             trace = self.layer_trace is not None
             marks = {f"mark{i}": fill("layer.cu", "mark", i=i) if trace else "" for i in range(1, 10)}
             src = fill("layer.cu", "body", q_size=self.n_heads * self.head_dim, hidden=self.hidden,
@@ -644,20 +625,14 @@ class FusedDecoder:
             names = ["hin", "nw", *[f"qkv_{n}" for n in qkv.names()], *(["bias"] if qkv.bias is not None else []),
                      "inv_freq", "pos", "kc", "vc", "scratch", "counts", "bar", "work",
                      *[f"o_{n}" for n in lay["o"].names()], "pn", *[f"gu_{n}" for n in lay["gu"].names()],
-                     *[f"dn_{n}" for n in lay["down"].names()],
-                     *([f"next_{n}" for n in qkv.names()] if LAYER_PREFETCH_NEXT else []),
-                     *(["trace"] if trace else [])]
+                     *[f"dn_{n}" for n in lay["down"].names()], *(["trace"] if trace else [])]
             return mx.fast.cuda_kernel(name="pl_layer", input_names=names, output_names=["hout"], source=src,
                                        header=header())
 
-        o = lay["o"]
-        defer = (LAYER_ATTN_DEFER and not (o.bits and o.in_dim >= SPLIT_MIN_IN)
-                 and self._mma_problem(o, "residual") is not None)
         sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim, p.bias is not None) for p in projs.values())
         return self._kernel(("layer", sig, lay["traditional"], lay["pos_scale"], win, GEMV_UNROLL, SPLIT_MIN_IN,
                              SPLIT_UNITS, GEMV_MMA_MODES, MMA_GROUPS_IN_FLIGHT, LAYER_ATTN_CHUNK, self.layer_attn(),
-                             LAYER_BARRIER, defer, LAYER_PREFETCH, LAYER_PREFETCH_NEXT, self.layer_trace is not None),
-                            make)
+                             LAYER_BARRIER, LAYER_PREFETCH, self.layer_trace is not None), make)
 
     def layer_attn(self) -> str:
         """The one-kernel layer's attention phase for this model: ``LAYER_ATTN``, or "block" where the head size
@@ -666,16 +641,14 @@ class FusedDecoder:
         fits = self.head_dim % 32 == 0 and vd & (vd - 1) == 0 and vd <= 8
         return LAYER_ATTN if fits else "block"
 
-    def _layer(self, lay: dict, h: mx.array, pos: mx.array, cache, nxt: dict | None = None) -> mx.array:
+    def _layer(self, lay: dict, h: mx.array, pos: mx.array, cache) -> mx.array:
         """The layer as one kernel (``kernels/layer.cu``): the residual stream ``(hidden,)`` after it; the token's key
-        and value written into ``cache``. ``nxt``: the next layer, whose q/k/v weights it asks L2 for
-        (``LAYER_PREFETCH_NEXT``; None: its own)."""
+        and value written into ``cache``."""
         kern = self._layer_kernel(lay, cache.max_size or 0)
         qkv = lay["qkv"]
         inputs = [h, lay["in_norm"], *qkv.arrays, *([qkv.bias] if qkv.bias is not None else []), lay["inv_freq"],
                   pos, cache.keys, cache.values, self._scratch, self._counts, self._barrier, self._work,
                   *lay["o"].arrays, lay["post_norm"], *lay["gu"].arrays, *lay["down"].arrays,
-                  *((nxt or lay)["qkv"].arrays if LAYER_PREFETCH_NEXT else []),
                   *([self.layer_trace] if self.layer_trace is not None else [])]
         return self._launch(kern, inputs, sm_count() * LAYER_BLOCKS_PER_SM, self.hidden)
 
@@ -721,9 +694,9 @@ class FusedDecoder:
 
     def step(self, token: mx.array, pos: mx.array, n_ctx: int, caches) -> mx.array:
         h = self._embed(token)
-        for i, (lay, c) in enumerate(zip(self.layers, caches)):
+        for lay, c in zip(self.layers, caches):
             if self.one_kernel_layers:
-                h = self._layer(lay, h, pos, c, self.layers[i + 1] if i + 1 < len(self.layers) else None)
+                h = self._layer(lay, h, pos, c)
                 continue
             q = self._query(lay, h, pos, c)
             o = self._attend(q, pos, n_ctx, c)

@@ -5,10 +5,8 @@
 // return at once, so one grid, sized by the caches' capacity, serves every position and the step
 // can be replayed by mx.compile). With several chunks each block writes its partial
 // softmax (max, sum, weighted values) to scratch and the last block of a head to finish combines them,
-// as in flash-decoding (counts: per-head arrival counters, reset by that block). With $defer (pl_layer only,
-// LAYER_ATTN_DEFER) every block writes its partial, even a head's only one, and none combines: the next phase
-// does (layer.cu's combine_x), after the grid barrier. Filled in by FusedDecoder._attn_kernel
-// (pipeline/engine/cuda/decoder.py).
+// as in flash-decoding (counts: per-head arrival counters, reset by that block). Filled in by
+// FusedDecoder._attn_kernel (pipeline/engine/cuda/decoder.py).
 //@ body
 
   constexpr int D = $head_dim, CH = $chunk, NT = $chunk, G = $group, WIN = $window;
@@ -61,7 +59,7 @@
       float a = 0.f;
 #pragma unroll
       for (int k2 = 0; k2 < NW; k2++) a += vpart[k2][d];
-      if (NS == 1 && !$defer) o[h * D + d] = static_cast<T>(a / l);
+      if (NS == 1) o[h * D + d] = static_cast<T>(a / l);
       else part[2 + d] = a;
     }
   } else {
@@ -69,16 +67,15 @@
       const T* vr = vbase + d;
       float acc = 0.f;
       for (int i = 0; i < kend; i++) acc += pr[i] * static_cast<float>(vr[(size_t)i * D]);
-      if (NS == 1 && !$defer) o[h * D + d] = static_cast<T>(acc / l);
+      if (NS == 1) o[h * D + d] = static_cast<T>(acc / l);
       else part[2 + d] = acc;
     }
   }
-  if (NS == 1 && !$defer) return;
+  if (NS == 1) return;
   if (t == 0) {
     part[0] = m;
     part[1] = l;
   }
-  if ($defer) return;
   __threadfence();
   __syncthreads();
   if (t == 0) last = (atomicAdd(const_cast<int*>(counts) + h, 1) == NS - 1);
@@ -135,7 +132,7 @@
       for (int j = 0; j < VD; j++) acc[j] += p * static_cast<float>(vv.v[j]);
     }
   }
-  if (NS == 1 && !$defer) {
+  if (NS == 1) {
 #pragma unroll
     for (int j = 0; j < VD; j++) o[h * D + lane * VD + j] = static_cast<T>(acc[j] / l);
     return;
@@ -147,7 +144,6 @@
   }
 #pragma unroll
   for (int j = 0; j < VD; j++) part[2 + lane * VD + j] = acc[j];
-  if ($defer) return;
   __threadfence();
   __syncwarp();
   int last = 0;

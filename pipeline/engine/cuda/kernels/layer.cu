@@ -92,29 +92,6 @@ $trace_end
 //@ prefetch
   // the next phases' weights into L2 while the first runs (LAYER_PREFETCH), a 128-byte line a thread in turn
   pl_prefetch_l2($array, $bytes);
-//@ combine_x
-  // The o projection's x, the attention output, combined here from the attention phase's partials (LAYER_ATTN_DEFER:
-  // each chunk of $chunk keys of head h wrote its max, sum and weighted values at scratch[(h * NS + s) * (D + 2)]),
-  // staged as load_x stages x; MLX's rounding of the output to T.
-  {
-    constexpr int D = $head_dim;
-    const int pl_len = $window ? min(pos[0] + 1, $window) : pos[0] + 1;
-    const int NS = (pl_len + $chunk - 1) / $chunk;
-    for (int i = threadIdx.x; i < K; i += NT) {
-      const float* base = scratch + (size_t)(i / D) * NS * (D + 2);
-      float M = PL_NEG_INF;
-      for (int s = 0; s < NS; s++) M = fmaxf(M, __ldcg(base + (size_t)s * (D + 2)));
-      float den = 0.f, num = 0.f;
-      for (int s = 0; s < NS; s++) {
-        const float* ps = base + (size_t)s * (D + 2);
-        const float f = expf(__ldcg(ps) - M);
-        den += __ldcg(ps + 1) * f;
-        num += __ldcg(ps + 2 + i % D) * f;
-      }
-      xs[pl_x_slot<T, $vals, K, false>(i)] = static_cast<T>(num / den);
-    }
-    __syncthreads();
-  }
 //@ trace_begin
   // trace (FusedDecoder.layer_trace, benchmarks only): thread 0 of each block adds up, over its calls, the clock
   // cycles of each span between marks (phase, barrier, phase, ...), at trace[block * 16 + 0..8]; the call's
