@@ -58,7 +58,7 @@ def thread_per_dim_attention(dec: FusedDecoder):
     def make(win: int):
         H, KVH, D = dec.n_heads, dec.n_kv_heads, dec.head_dim
         src = fill("attn.cu", "body", head_dim=D, chunk=dec.attn_chunk, group=H // KVH, window=win,
-                   scale=float_literal(dec.scale))
+                   scale=float_literal(dec.scale), v_prefetch="")
         assert WARP_LOOP in src
         return mx.fast.cuda_kernel(name="pl_attn_thread_per_dim", input_names=["q", "kc", "vc", "pos", "scratch",
                                                                                "counts"],
@@ -136,6 +136,24 @@ def set_gemv(variant: str | None) -> None:
         decoder_module.MMA_GROUPS_IN_FLIGHT = int(g)
     if c is not None:
         decoder_module.MMA_BLOCKS_PER_SM = int(c) or None
+
+
+KNOBS = ("ATTN_V_PREFETCH", "QKV_UNROLL", "ATTN_CHUNK", "LAYER_ATTN_CHUNK", "LAYER_PREFETCH", "LAYER_ATTN")
+DEFAULT_KNOBS = {name: getattr(decoder_module, name) for name in KNOBS}
+
+
+def set_knobs(spec: str) -> None:
+    """The decoders built from now on: ``spec`` "base" (as committed) or ``NAME=VALUE[+NAME=VALUE...]`` of
+    ``KNOBS`` (VALUE an int, None, or a string), the rest as committed."""
+    for name, value in DEFAULT_KNOBS.items():
+        setattr(decoder_module, name, value)
+    if spec == "base":
+        return
+    for item in spec.split("+"):
+        name, _, value = item.partition("=")
+        if name not in KNOBS:
+            raise SystemExit(f"--knobs: {name!r} is not one of {', '.join(KNOBS)}")
+        setattr(decoder_module, name, int(value) if value.isdigit() else None if value == "None" else value)
 
 
 def kernels(dec: FusedDecoder, cache, ctx: int, calls: int, shape: str, splits: list[str], gemvs: list[str]):
@@ -236,6 +254,8 @@ def main():
                     "every GEMV kernel, then the whole replayed step, of each")
     ap.add_argument("--attn-chunks", default="", help="attention chunks to compare (keys a block, e.g. 128,64,32): "
                     "the replayed step of each, the chunk applied whatever the model's head count")
+    ap.add_argument("--knobs", default="", help="decoder settings to compare, e.g. base,ATTN_V_PREFETCH=L1,"
+                    "QKV_UNROLL=2+ATTN_V_PREFETCH=L2: the replayed step of each (set_knobs), in order")
     ap.add_argument("--profile", type=int, default=0, help="tokens of the per-kernel profile of the step (0: none)")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
@@ -283,6 +303,11 @@ def main():
             emit({"shape": shape, "context": args.context, "gemv": variant,
                   **step_rate(model, prompt, "warp-per-32-keys", True, args.trials)})
         set_gemv(None)
+        for knobs in [k for k in args.knobs.split(",") if k]:
+            set_knobs(knobs)
+            emit({"shape": shape, "context": args.context, "knobs": knobs,
+                  **step_rate(model, prompt, "warp-per-32-keys", True, args.trials)})
+        set_knobs("base")
         del model, bm
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -24,6 +24,11 @@ ATTN_FEW_HEADS = 8
 ATTN_FEW_HEADS_CHUNK = 32
 
 
+# The attention body's value rows asked of a cache level before the scores (attn.cu's v_prefetch): "none", "L1" or
+# "L2" (PTX prefetch.global.L1 / .L2).
+ATTN_V_PREFETCH = "none"
+
+
 def attn_chunk(n_heads: int) -> int:
     """Keys (and threads) per block of ``kernels/attn.cu`` for a model of ``n_heads`` query heads."""
     return ATTN_FEW_HEADS_CHUNK if n_heads < ATTN_FEW_HEADS else ATTN_CHUNK
@@ -38,6 +43,9 @@ MAX_SMEM_BYTES = 48 * 1024  # static shared memory limit per block (CUDA)
 # Chunks of every row a lane has in flight (pl_rows_dot's UNROLL). 1 rather than 2: fewer registers, more
 # warps an SM; Qwen2.5-7B shape on an H200, replayed step 277.8 -> 304.4 tok/s (docs/BENCHMARKS.md, 2026-12-03).
 GEMV_UNROLL = 1
+# The q/k/v kernel's (qkv.cu) unrolling of the same loop, None: GEMV_UNROLL. A lane of it reads hidden / 1,024 chunks
+# of its two rows (4-bit: Llama-3.2-1B 2, Qwen2.5-7B 3.5), so at 1 their loads are that many rounds of latency.
+QKV_UNROLL: int | None = None
 # A GEMV's grid is capped at this many blocks per SM (its warps then loop over the row groups: gemv.cu), None: one
 # warp per row group. None: capped at 2, 4 or 8 the warp-per-row kernels measured slower or no faster (Qwen2.5-7B
 # shape, H200, replayed step 305.6 uncapped, 258.5 / 295.3 / 308.8 capped).
@@ -167,16 +175,19 @@ class Proj:
         """Input values one lane's 16-byte weight load covers."""
         return 128 // self.bits if self.bits else 16 // dtype.size
 
-    def rows_dot(self, r: int, prefix: str = "", acc: str = "acc", split: bool = False) -> str:
+    def rows_dot(self, r: int, prefix: str = "", acc: str = "acc", split: bool = False,
+                 unroll: int | None = None) -> str:
         """CUDA statement: the warp's dot products of rows ``rows[0..r)`` with ``xs`` into ``acc``
-        (``split``: the block's share of them with ``x`` in global memory, ``calls.cu``'s rows_dot_split)."""
+        (``split``: the block's share of them with ``x`` in global memory, ``calls.cu``'s rows_dot_split), the
+        chunk loop unrolled ``unroll`` times (None: ``GEMV_UNROLL``)."""
         names = self.names(prefix)
+        unroll = unroll or GEMV_UNROLL
         if self.bits:
             w, s, b = names
             return fill("calls.cu", "rows_dot_split" if split else "rows_dot_quantized", bits=self.bits,
                         group_size=self.group_size, in_dim=self.in_dim, rows=r, w=w, s=s, b=b, acc=acc,
-                        unroll=GEMV_UNROLL)
-        return fill("calls.cu", "rows_dot_dense", in_dim=self.in_dim, rows=r, w=names[0], acc=acc, unroll=GEMV_UNROLL)
+                        unroll=unroll)
+        return fill("calls.cu", "rows_dot_dense", in_dim=self.in_dim, rows=r, w=names[0], acc=acc, unroll=unroll)
 
 
 def projs_problem(groups: list[list[Proj]], what: str) -> str | None:
@@ -354,7 +365,7 @@ class FusedDecoder:
                                        header=header()), pairs
 
         return self._kernel(("qkv", qkv.bits, qkv.group_size, qkv.in_dim, qkv.out_dim, trad, pscale,
-                             qkv.bias is not None, win, GEMV_UNROLL), make)
+                             qkv.bias is not None, win, GEMV_UNROLL, QKV_UNROLL), make)
 
     def _qkv_source(self, qkv: Proj, trad: bool, pscale: float, win: int) -> tuple[str, list[str], int]:
         """``(kernels/qkv.cu's body filled in, its input names, its rotation pairs)``."""
@@ -364,7 +375,7 @@ class FusedDecoder:
         bias = [fill("qkv.cu", "bias", y=f"y{i}", row=f"r{i}") if has_bias else "" for i in (0, 1)]
         src = fill("qkv.cu", "body", hidden=self.hidden, head_dim=D, n_heads=H, n_kv_heads=KVH, window=win,
                    vals=qkv.vals(self.dtype), eps=float_literal(self.eps), pairs=pairs, traditional=int(trad),
-                   rows_dot=qkv.rows_dot(2), bias0=bias[0], bias1=bias[1], pos_scale=float_literal(pscale))
+                   rows_dot=qkv.rows_dot(2, unroll=QKV_UNROLL), bias0=bias[0], bias1=bias[1], pos_scale=float_literal(pscale))
         names = ["x", "nw", *qkv.names(), *(["bias"] if has_bias else []), "inv_freq", "pos", "kc", "vc"]
         return src, names, pairs
 
@@ -436,12 +447,13 @@ class FusedDecoder:
                                        output_names=["o"], source=self._attn_source(win, self.attn_chunk),
                                        header=header())
 
-        return self._kernel(("attn", win, self.attn_chunk), make)
+        return self._kernel(("attn", win, self.attn_chunk, ATTN_V_PREFETCH), make)
 
     def _attn_source(self, win: int, chunk: int) -> str:
         """``kernels/attn.cu``'s body for blocks of ``chunk`` keys (and threads)."""
+        pre = "" if ATTN_V_PREFETCH == "none" else fill("attn.cu", "v_prefetch", level=ATTN_V_PREFETCH)
         return fill("attn.cu", "body", head_dim=self.head_dim, chunk=chunk, group=self.n_heads // self.n_kv_heads,
-                    window=win, scale=float_literal(self.scale))
+                    window=win, scale=float_literal(self.scale), v_prefetch=pre)
 
     # GEMV modes: (prologue staging x, epilogue storing the rows).
     # prologue "copy": x as is; "norm": rms_norm(x, nw); "res" (Gemma 3): hout = h + rms_norm(x, wpost),
@@ -632,7 +644,8 @@ class FusedDecoder:
         sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim, p.bias is not None) for p in projs.values())
         return self._kernel(("layer", sig, lay["traditional"], lay["pos_scale"], win, GEMV_UNROLL, SPLIT_MIN_IN,
                              SPLIT_UNITS, GEMV_MMA_MODES, MMA_GROUPS_IN_FLIGHT, LAYER_ATTN_CHUNK, self.layer_attn(),
-                             LAYER_BARRIER, LAYER_PREFETCH, self.layer_trace is not None), make)
+                             LAYER_BARRIER, LAYER_PREFETCH, ATTN_V_PREFETCH, QKV_UNROLL,
+                             self.layer_trace is not None), make)
 
     def layer_attn(self) -> str:
         """The one-kernel layer's attention phase for this model: ``LAYER_ATTN``, or "block" where the head size
