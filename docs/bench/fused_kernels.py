@@ -138,7 +138,8 @@ def set_gemv(variant: str | None) -> None:
         decoder_module.MMA_BLOCKS_PER_SM = int(c) or None
 
 
-KNOBS = ("ATTN_V_PREFETCH", "QKV_UNROLL", "ATTN_CHUNK", "LAYER_ATTN_CHUNK", "LAYER_PREFETCH", "LAYER_ATTN")
+KNOBS = ("ATTN_V_PREFETCH", "QKV_UNROLL", "ATTN_CHUNK", "LAYER_ATTN_CHUNK", "LAYER_PREFETCH", "LAYER_ATTN",
+         "ONE_KERNEL_MAX_LAYER_BYTES", "LAYER_BLOCKS_PER_SM", "LAYER_BARRIER")
 DEFAULT_KNOBS = {name: getattr(decoder_module, name) for name in KNOBS}
 
 
