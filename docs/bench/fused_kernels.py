@@ -139,7 +139,8 @@ def set_gemv(variant: str | None) -> None:
 
 
 KNOBS = ("ATTN_V_PREFETCH", "QKV_UNROLL", "ATTN_CHUNK", "LAYER_ATTN_CHUNK", "LAYER_PREFETCH", "LAYER_ATTN",
-         "ONE_KERNEL_MAX_LAYER_BYTES", "LAYER_BLOCKS_PER_SM", "LAYER_BARRIER")
+         "ONE_KERNEL_MAX_LAYER_BYTES", "LAYER_BLOCKS_PER_SM", "LAYER_BARRIER", "LAYER_PREFETCH_KV",
+         "QKV_PREFETCH_KV")
 DEFAULT_KNOBS = {name: getattr(decoder_module, name) for name in KNOBS}
 
 

@@ -46,6 +46,9 @@ GEMV_UNROLL = 1
 # The q/k/v kernel's (qkv.cu) unrolling of the same loop, None: GEMV_UNROLL. A lane of it reads hidden / 1,024 chunks
 # of its two rows (4-bit: Llama-3.2-1B 2, Qwen2.5-7B 3.5), so at 1 their loads are that many rounds of latency.
 QKV_UNROLL: int | None = None
+# The q/k/v kernel asks L2 for the layer's filled cache rows before its own work, so the attention kernel after it
+# finds them there (common.cuh's pl_prefetch_kv; the one-kernel layer's counterpart: LAYER_PREFETCH_KV).
+QKV_PREFETCH_KV = False
 # A GEMV's grid is capped at this many blocks per SM (its warps then loop over the row groups: gemv.cu), None: one
 # warp per row group. None: capped at 2, 4 or 8 the warp-per-row kernels measured slower or no faster (Qwen2.5-7B
 # shape, H200, replayed step 305.6 uncapped, 258.5 / 295.3 / 308.8 capped).
@@ -82,6 +85,9 @@ LAYER_WARP_CHUNK = 32
 # SmolLM2-135M shape, replayed step alternated in one process, none 874-934 tok/s, "all" 987-1,025, "ogd" with the next
 # layer's q/k/v weights too 980-999 (gate/up 4.3 -> 3.8 us, down 3.0 -> 2.5; docs/BENCHMARKS.md, 2026-12-06 (night)).
 LAYER_PREFETCH = "all"
+# LAYER_PREFETCH_KV: the layer's filled cache rows (keys and values) asked of L2 too, when the layer starts, so the
+# attention phase finds them there (layer.cu's prefetch_kv).
+LAYER_PREFETCH_KV = False
 # The grid barrier between the one-kernel layer's phases (common.cuh): "gen" pl_grid_sync (a count and a generation
 # word, the last block to arrive resets one and advances the other), "flip" pl_grid_sync_flip<false> (one word whose
 # top bit the last arrival flips, fences as cooperative_groups'), "flip-ra" pl_grid_sync_flip<true> (the same with a
@@ -360,21 +366,28 @@ class FusedDecoder:
         """``kernels/qkv.cu`` for this layer's shapes, and its number of rotation pairs (one warp each)."""
 
         def make():
-            src, names, pairs = self._qkv_source(qkv, trad, pscale, win)
+            src, names, pairs = self._qkv_source(qkv, trad, pscale, win, QKV_PREFETCH_KV)
             return mx.fast.cuda_kernel(name="pl_qkv", input_names=names, output_names=["q"], source=src,
                                        header=header()), pairs
 
         return self._kernel(("qkv", qkv.bits, qkv.group_size, qkv.in_dim, qkv.out_dim, trad, pscale,
-                             qkv.bias is not None, win, GEMV_UNROLL, QKV_UNROLL), make)
+                             qkv.bias is not None, win, GEMV_UNROLL, QKV_UNROLL, QKV_PREFETCH_KV), make)
 
-    def _qkv_source(self, qkv: Proj, trad: bool, pscale: float, win: int) -> tuple[str, list[str], int]:
-        """``(kernels/qkv.cu's body filled in, its input names, its rotation pairs)``."""
+    def _prefetch_kv(self, win: int) -> str:
+        """CUDA statement: the layer's filled cache rows asked of L2 by the whole grid (calls.cu's prefetch_kv)."""
+        return fill("calls.cu", "prefetch_kv", window=win, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim)
+
+    def _qkv_source(self, qkv: Proj, trad: bool, pscale: float, win: int,
+                    prefetch_kv: bool = False) -> tuple[str, list[str], int]:
+        """``(kernels/qkv.cu's body filled in, its input names, its rotation pairs)``; ``prefetch_kv``: the body
+        first asks L2 for the layer's filled cache rows (``_prefetch_kv``)."""
         H, KVH, D = self.n_heads, self.n_kv_heads, self.head_dim
         has_bias = qkv.bias is not None
         pairs = (H + 2 * KVH) * D // 2
         bias = [fill("qkv.cu", "bias", y=f"y{i}", row=f"r{i}") if has_bias else "" for i in (0, 1)]
         src = fill("qkv.cu", "body", hidden=self.hidden, head_dim=D, n_heads=H, n_kv_heads=KVH, window=win,
                    vals=qkv.vals(self.dtype), eps=float_literal(self.eps), pairs=pairs, traditional=int(trad),
+                   prefetch_kv=self._prefetch_kv(win) if prefetch_kv else "",
                    rows_dot=qkv.rows_dot(2, unroll=QKV_UNROLL), bias0=bias[0], bias1=bias[1], pos_scale=float_literal(pscale))
         names = ["x", "nw", *qkv.names(), *(["bias"] if has_bias else []), "inv_freq", "pos", "kc", "vc"]
         return src, names, pairs
@@ -627,8 +640,12 @@ class FusedDecoder:
                 phases[name] = fill("layer.cu", "strided", body=virtual(g.source),
                                     aliases=aliases({"x": (x, False), **extra}) + weights(prefix))
             fetch = {"none": [], "ogd": ["o", "gu", "dn"], "all": ["qkv", "o", "gu", "dn"]}[LAYER_PREFETCH]
-            prefetch = "".join(fill("layer.cu", "prefetch", array=f"{prefix}_{n}", bytes=a.nbytes)
-                               for prefix in fetch for n, a in zip(projs[prefix].names(), projs[prefix].arrays))
+            asks = [fill("layer.cu", "prefetch", array=f"{prefix}_{n}", bytes=a.nbytes)
+                    for prefix in fetch for n, a in zip(projs[prefix].names(), projs[prefix].arrays)]
+            if LAYER_PREFETCH_KV:  # after the q/k/v weights (the first phase's), before the later phases'
+                first = len(qkv.arrays) if "qkv" in fetch else 0
+                asks.insert(first, self._prefetch_kv(win))
+            prefetch = "".join(asks)
             trace = self.layer_trace is not None
             marks = {f"mark{i}": fill("layer.cu", "mark", i=i) if trace else "" for i in range(1, 10)}
             src = fill("layer.cu", "body", q_size=self.n_heads * self.head_dim, hidden=self.hidden,
@@ -644,7 +661,7 @@ class FusedDecoder:
         sig = tuple((p.bits, p.group_size, p.in_dim, p.out_dim, p.bias is not None) for p in projs.values())
         return self._kernel(("layer", sig, lay["traditional"], lay["pos_scale"], win, GEMV_UNROLL, SPLIT_MIN_IN,
                              SPLIT_UNITS, GEMV_MMA_MODES, MMA_GROUPS_IN_FLIGHT, LAYER_ATTN_CHUNK, self.layer_attn(),
-                             LAYER_BARRIER, LAYER_PREFETCH, ATTN_V_PREFETCH, QKV_UNROLL,
+                             LAYER_BARRIER, LAYER_PREFETCH, LAYER_PREFETCH_KV, ATTN_V_PREFETCH, QKV_UNROLL,
                              self.layer_trace is not None), make)
 
     def layer_attn(self) -> str:

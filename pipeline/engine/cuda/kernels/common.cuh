@@ -354,6 +354,20 @@ __device__ __forceinline__ void pl_prefetch_l2(const void* p, size_t n) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
 }
 
+// L2 prefetch, by the whole grid, of a layer's filled cache rows: each of the KVH kv heads' keys (kc) and values (vc),
+// rows 0 .. min(pos + 1, WIN) - 1 (WIN 0: a full cache, rows 0 .. pos) of D values; the caches (.., KVH, cap, D) with cap
+// = kc_shape[2]. Asked before the attention that reads them (LAYER_PREFETCH_KV, QKV_PREFETCH_KV).
+template <typename T, int D, int KVH, int WIN>
+__device__ __forceinline__ void pl_prefetch_kv(const T* kc, const T* vc, const int* kc_shape, int pos) {
+  const int len = WIN ? min(pos + 1, WIN) : pos + 1;
+  const size_t cap = kc_shape[2];
+#pragma unroll 1
+  for (int k = 0; k < KVH; k++) {
+    pl_prefetch_l2(kc + (size_t)k * cap * D, (size_t)len * D * sizeof(T));
+    pl_prefetch_l2(vc + (size_t)k * cap * D, (size_t)len * D * sizeof(T));
+  }
+}
+
 // Barrier over the whole grid of a kernel whose blocks are all resident at once (pl_layer's grid: see layer.cu): bar[0] counts the blocks arrived, bar[32] (another 128-byte line, so the waiting
 // blocks' reads do not contend with the arrivals) is the barrier's generation; the last block to arrive resets the
 // count and advances the generation, which the others wait for. The state returns to count 0 after every barrier,

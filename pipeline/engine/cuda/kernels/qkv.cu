@@ -1,7 +1,7 @@
 // pl_qkv (Llama, Qwen2): RMSNorm of the hidden state x, the fused q/k/v projection (plus its bias), RoPE,
 // and the new key and value written in place into slot pos (a ring of $window slots: pos % $window) of
 // the layer's caches kc/vc; the query goes to q. One warp per rotation pair (rows r0 and r1 of one head),
-// 256-thread blocks. Filled in by FusedDecoder._qkv_kernel (pipeline/engine/cuda/decoder.py).
+// 256-thread blocks. $prefetch_kv: calls.cu's prefetch_kv or nothing (QKV_PREFETCH_KV). Filled in by FusedDecoder._qkv_kernel (pipeline/engine/cuda/decoder.py).
 //
 // bias: adds the projection's bias to output $y of row $row (only for biased projections, Qwen2).
 //@ bias
@@ -11,6 +11,7 @@ $y = static_cast<float>(static_cast<T>($y + static_cast<float>(bias[$row])));
   constexpr int K = $hidden, NT = 256, D = $head_dim, H = $n_heads, KVH = $n_kv_heads, WIN = $window;
   __shared__ __align__(16) T xs[K];
   __shared__ float red[32];
+$prefetch_kv
   pl_load_x<T, K, NT, true, $vals>(x, nw, $eps, xs, red);
   const int lane = threadIdx.x & 31;
   const int p = blockIdx.x * (NT / 32) + (threadIdx.x >> 5);
