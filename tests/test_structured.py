@@ -395,11 +395,12 @@ def _job(structured=None, **inp):
 @pytest.mark.parametrize("structured, message", [
     ({"json": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}, "generation.structured.json: "),
     ({"json": {"type": "string", "pattern": "a("}}, "generation.structured.json: "),
-    ({"regex": "[0-9"}, "generation.structured.regex: "),
+    ({"regex": "[0-9"}, "generation.structured.regex: invalid regex \"[0-9\""),  # no position in llguidance's wrapper
     ({"grammar": "start: foo ("}, "generation.structured.grammar: "),
     ({"choice": []}, "generation.structured.choice must be a non-empty list"),
-    ({"regex": "a", "choice": ["a"]}, "set exactly one of json, json_object, regex, choice, grammar"),
+    ({"regex": "a", "choice": ["a"]}, "set exactly one of json, json_object: true, regex, choice, grammar"),
     ({}, "set exactly one of"),
+    ({"json_object": False}, "(got none)"),
     ({"json": "no/such/schema.json"}, "generation.structured.json: cannot read schema file"),
     ({"regexp": "a"}, "unknown key 'generation.structured.regexp' (did you mean 'regex'?)"),
 ])

@@ -24,6 +24,7 @@ import io
 import itertools
 import json
 import os
+import re
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -80,7 +81,8 @@ class StructuredOutputsParams:
         set_ = [k for k in KEYS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             got = ", ".join(set_) if set_ else "none"
-            raise JobSpecError(f"{where}: set exactly one of {', '.join(KEYS)} (got {got})")
+            keys = ", ".join("json_object: true" if k == "json_object" else k for k in KEYS)
+            raise JobSpecError(f"{where}: set exactly one of {keys} (got {got})")
         key = set_[0]
         if isinstance(self.json, str):
             path = Path(self.json)
@@ -100,6 +102,8 @@ class StructuredOutputsParams:
         except ValueError as e:
             problem = str(e)
         if problem:
+            if key in ("regex", "choice"):  # llguidance's "at LINE(COLUMN): " is in the grammar it wrapped them in
+                problem = re.sub(r"^at \d+\(\d+\): ", "", problem)
             raise JobSpecError(f"{where}.{key}: {one_line(problem)}")
 
     def lark(self) -> str:
