@@ -258,6 +258,8 @@ def main():
                     "the replayed step of each, the chunk applied whatever the model's head count")
     ap.add_argument("--knobs", default="", help="decoder settings to compare, e.g. base,ATTN_V_PREFETCH=L1,"
                     "QKV_UNROLL=2+ATTN_V_PREFETCH=L2: the replayed step of each (set_knobs), in order")
+    ap.add_argument("--knob-profile", type=int, default=0, help="with --knobs: also the per-kernel profile of "
+                    "each setting over N tokens, one line")
     ap.add_argument("--profile", type=int, default=0, help="tokens of the per-kernel profile of the step (0: none)")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--trials", type=int, default=3)
@@ -309,6 +311,10 @@ def main():
             set_knobs(knobs)
             emit({"shape": shape, "context": args.context, "knobs": knobs,
                   **step_rate(model, prompt, "warp-per-32-keys", True, args.trials)})
+            if args.knob_profile and torch is not None:  # one line: us a call of each kernel
+                rows = list(token_profile(model, prompt, args.knob_profile, shape))
+                emit({"shape": shape, "knobs": knobs, "gpu_us_per_token": rows[0]["gpu_us_per_token"],
+                      "us_per_call": {r["profile"][:24]: r["us_per_call"] for r in rows[1:8]}})
         set_knobs("base")
         del model, bm
     if args.json:
