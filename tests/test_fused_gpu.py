@@ -394,6 +394,23 @@ def test_gemma3_fused_step_matches_the_model(case, prompt_len):
     assert_as_close_as_the_model({**GEMMA, **case}, prompt_len, Gemma3Decoder)
 
 
+@gpu
+@pytest.mark.parametrize("case, prompt_len", [({}, 37), ({}, 130), (dict(group_size=32), 130),
+                                              (dict(group_size=128), 64)],
+                         ids=["q4-37", "q4-130", "g32", "g128"])
+def test_gemma3_gate_up_on_tensor_cores(case, prompt_len, monkeypatch):
+    """Gemma 3's gate/up kernel (the residual step, two norms, the gate and the up projection, gelu_approx(gate) * up)
+    on tensor cores (GEMV_MMA_MODES "geglu"; its up rows from the second matrix): as close to the float32 twin as the
+    warp-per-row kernel is held to, the same clear-margin argmax."""
+    monkeypatch.setattr(decoder_module, "GEMV_MMA_MODES", ("swiglu", "geglu"))
+    model = make_model(**{**GEMMA, **case})
+    dec = decoder_for(model)
+    lay = dec.layers[0]
+    assert dec._mma_problem(lay["gate"], "geglu", lay["up"]) is None
+    assert dec._gemv_kernel(lay["gate"], "geglu", lay["up"])[3]  # built on tensor cores
+    assert_as_close_as_the_model({**GEMMA, **case}, prompt_len, Gemma3Decoder)
+
+
 def assert_as_close_as_the_model(config: dict, prompt_len: int, decoder: type) -> None:
     """The fused step of ``make_model(**config)`` is ``decoder``'s, at least as close to the float32 twin's
     logits as the model's own compute dtype (give or take 50%), never off like a wrong kernel (~1), and
@@ -641,6 +658,32 @@ def test_gemma3_launch_plan(monkeypatch):
         elif k["name"] == "pl_gemv_res_logits":
             assert warps * fused.units_per_warp(GEMMA["vocab_size"], "plain") >= GEMMA["vocab_size"]
     assert dec.embed_scale == 16.0  # sqrt(256), exact in bfloat16
+
+
+def test_gemma3_gate_up_on_tensor_cores_launch_plan(monkeypatch):
+    """Gemma 3's gate/up on tensor cores (GEMV_MMA_MODES "geglu", float16 4-bit; runs anywhere): one
+    ``pl_gemv_geglu_mma`` launch a layer reading both matrices and the residual step's inputs, writing the new
+    residual stream too, 8 gate/up row pairs a block covering every row, its source filled in completely."""
+    import pipeline.engine.cuda as fused
+
+    monkeypatch.setattr(decoder_module, "GEMV_MMA_MODES", ("swiglu", "geglu"))
+    monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
+    _RecordingKernel.launches, _RecordingKernel.sources = [], []
+    dec = decoder_for(make_model(**GEMMA))
+    for lay in dec.layers:  # the step's call (Gemma3Decoder.step), without a prefill
+        v = mx.zeros((dec.hidden,), dec.dtype)
+        a, h = dec._gemv(lay["gate"], "geglu", [v, v, lay["post_attn"], lay["pre_ff"], *lay["gate"].arrays,
+                                                *lay["up"].arrays], proj2=lay["up"])
+        assert a.shape == (GEMMA["intermediate_size"],) and h.shape == (dec.hidden,)
+    geglu = _RecordingKernel.launches
+    assert [k["name"] for k in geglu] == ["pl_gemv_geglu_mma"] * GEMMA["num_hidden_layers"]
+    n = GEMMA["intermediate_size"]
+    for k in geglu:
+        assert list(k["inputs"])[:4] == ["x", "h", "wpost", "nw"]
+        assert {"gw", "gs", "gb", "uw", "us", "ub"} <= set(k["inputs"]) and k["inputs"]["gw"] == k["inputs"]["uw"]
+        assert k["threadgroup"] == (256, 1, 1) and (k["grid"][0] // 256) * 8 >= n
+    src = next(s for s in _RecordingKernel.sources if "pl_load_x_res<T, K, NT, 8" in s)
+    assert "$" not in src and "pl_mma_rows<" in src and "gw, gs, gb, uw, us, ub, r0, r1" in src
 
 
 @pytest.mark.parametrize("fuse_qkv", [True, False], ids=["qkv-fused", "qkv-separate"])

@@ -499,7 +499,7 @@ class FusedDecoder:
     def _gemv_kernel(self, proj: Proj, mode: str, proj2: Proj | None = None):
         """``kernels/gemv.cu`` for ``mode`` and these weights: ``(kernel, its warps, its output rows, whether it runs on
         tensor cores)``."""
-        mma = self._mma_problem(proj, mode) is None
+        mma = self._mma_problem(proj, mode, proj2) is None
 
         def make():
             g = self._gemv_source(proj, mode, proj2)
@@ -513,8 +513,8 @@ class FusedDecoder:
     def _gemv_source(self, proj: Proj, mode: str, proj2: Proj | None = None) -> GemvSource:
         """``kernels/gemv.cu``'s body for ``mode`` and these weights (on tensor cores where ``_mma_problem`` allows)."""
         pre, post = self.GEMV_MODES[mode]
-        if self._mma_problem(proj, mode) is None:
-            return self._gemv_mma_source(proj, mode)
+        if self._mma_problem(proj, mode, proj2) is None:
+            return self._gemv_mma_source(proj, mode, proj2)
         pair = post in ("swiglu", "geglu")
         n_out = proj.out_dim // 2 if post == "swiglu" else proj.out_dim
         split = pre == "copy" and bool(proj.bits) and proj.in_dim >= SPLIT_MIN_IN  # "copy": plain or residual
@@ -536,31 +536,46 @@ class FusedDecoder:
         warps = -(-n_out // units) * (WARPS_PER_BLOCK if split else 1)
         return GemvSource(f"pl_gemv_{mode}" + ("_split" if split else ""), src, names, outs, warps, n_out, False)
 
-    def _mma_problem(self, proj: Proj, mode: str) -> str | None:
-        """Why mode ``mode`` of ``proj`` does not run on tensor cores (``_gemv_mma_source``), or None."""
+    def _mma_problem(self, proj: Proj, mode: str, proj2: Proj | None = None) -> str | None:
+        """Why mode ``mode`` of ``proj`` (and ``proj2``, geglu's up projection) does not run on tensor cores
+        (``_gemv_mma_source``), or None."""
         pre, post = self.GEMV_MODES[mode]
         if mode not in GEMV_MMA_MODES:
             return f"mode {mode} not in GEMV_MMA_MODES"
-        if proj.bits != 4 or self.dtype != mx.float16:
-            return "not 4-bit weights in float16"
-        if pre not in ("copy", "norm") or post not in ("swiglu", "plain", "residual"):
+        for p in (proj, proj2) if post == "geglu" else (proj,):
+            if p.bits != 4 or self.dtype != mx.float16:
+                return "not 4-bit weights in float16"
+            if p.group_size not in (32, 64, 128):
+                return f"group size {p.group_size}"
+        if pre not in ("copy", "norm", "res") or post not in ("swiglu", "geglu", "plain", "residual"):
             return f"mode {mode}"
-        if proj.group_size not in (32, 64, 128):
-            return f"group size {proj.group_size}"
+        if post == "geglu" and proj2.group_size != proj.group_size:
+            return "gate and up projections of different group sizes"
         return None
 
-    def _gemv_mma_source(self, proj: Proj, mode: str) -> GemvSource:
+    def _gemv_mma_source(self, proj: Proj, mode: str, proj2: Proj | None = None) -> GemvSource:
         """``kernels/gemv.cu``'s body_mma for ``mode`` (see ``_mma_problem``): 8 warps a block of 16 rows (or 8 swiglu
-        row pairs)."""
+        / geglu row pairs; geglu's up rows from ``proj2``)."""
         pre, post = self.GEMV_MODES[mode]
-        pair = post == "swiglu"
-        n_out = proj.out_dim // 2 if pair else proj.out_dim
+        pair = post in ("swiglu", "geglu")
+        n_out = proj.out_dim // 2 if post == "swiglu" else proj.out_dim
+        eps = float_literal(self.eps)
+        if pre == "res":
+            prologue = fill("calls.cu", "load_x_res_mma", clip=str(self.dtype == mx.float16).lower(), eps=eps,
+                            write="true", hout="hout")
+        else:
+            prologue = fill("calls.cu", "load_x_mma", norm=str(pre == "norm").lower(),
+                            weight="nw" if pre == "norm" else "x", eps=eps)
+        w0 = proj.names("g") if post == "geglu" else proj.names()
+        w1 = proj2.names("u") if post == "geglu" else w0
         src = fill("gemv.cu", "body_mma", in_dim=proj.in_dim, n_out=n_out, group_size=proj.group_size,
-                   pair=int(pair), norm=str(pre == "norm").lower(), weight="nw" if pre == "norm" else "x",
-                   eps=float_literal(self.eps), groups_in_flight=MMA_GROUPS_IN_FLIGHT,
-                   store=fill("gemv.cu", f"store_{post}"))
-        names = [*self.PROLOGUE_INPUTS[pre], *proj.names(), *(["r"] if post == "residual" else [])]
-        return GemvSource(f"pl_gemv_{mode}_mma", src, names, ["out"], -(-n_out // (8 if pair else 16)) * WARPS_PER_BLOCK,
+                   pair=int(pair), prologue=prologue, pair_row="r0" if post == "geglu" else "r0 + N",
+                   w0=w0[0], s0=w0[1], b0=w0[2], w1=w1[0], s1=w1[1], b1=w1[2],
+                   groups_in_flight=MMA_GROUPS_IN_FLIGHT, store=fill("gemv.cu", f"store_{post}"))
+        names = [*self.PROLOGUE_INPUTS[pre], *w0, *(w1 if post == "geglu" else []),
+                 *(["r"] if post == "residual" else [])]
+        outs = ["out", "hout"] if pre == "res" else ["out"]
+        return GemvSource(f"pl_gemv_{mode}_mma", src, names, outs, -(-n_out // (8 if pair else 16)) * WARPS_PER_BLOCK,
                           n_out, True)
 
     def _embed_kernel(self):

@@ -177,9 +177,9 @@ __device__ __forceinline__ void pl_rows_dot(const uint32_t* wq, const T* wd, con
 
 // Gemma 3's residual step before a projection: hn = h + rms_norm(y, wpost) (float16: summed in float32
 // and clipped to the float16 range, as mlx-lm's clip_residual), then x = rms_norm(hn, wnorm) into
-// shared memory (swizzled). hs: K values of shared memory for hn. When WRITE, the first block writes hn
-// (the new residual stream) to hout.
-template <typename T, int K, int NT, int VALS, bool CLIP, bool WRITE>
+// shared memory (swizzled; MMA: in pl_mma_slot order). hs: K values of shared memory for hn. When WRITE, the first
+// block writes hn (the new residual stream) to hout.
+template <typename T, int K, int NT, int VALS, bool CLIP, bool WRITE, bool MMA = false>
 __device__ __forceinline__ void pl_load_x_res(const T* h, const T* y, const T* wpost, const T* wnorm, float eps,
                                               T* xs, T* hs, float* red, T* hout) {
   float ss = 0.f;
@@ -202,7 +202,7 @@ __device__ __forceinline__ void pl_load_x_res(const T* h, const T* y, const T* w
   const float r2 = rsqrtf(pl_block_sum<NT>(ss2, red) / K + eps);
   for (int i = threadIdx.x; i < K; i += NT) {
     const T n = static_cast<T>(static_cast<float>(hs[i]) * r2);
-    xs[pl_swz<T, VALS, K>(i)] = static_cast<T>(static_cast<float>(wnorm[i]) * static_cast<float>(n));
+    xs[pl_x_slot<T, VALS, K, MMA>(i)] = static_cast<T>(static_cast<float>(wnorm[i]) * static_cast<float>(n));
     if (WRITE && blockIdx.x == 0) hout[i] = hs[i];
   }
   __syncthreads();
@@ -233,9 +233,18 @@ __device__ __forceinline__ T pl_gelu_approx(float x) {
 // pl_rows_dot: s * sum(q x) + b * sum(x) (sum(x) per group staged in shared memory).
 
 // x (or RMSNorm(x, nw)) into xs in pl_mma_slot order (pl_load_x), and sum(x) of each group into sxs.
+template <typename T, int K, int NT, int GS>
+__device__ __forceinline__ void pl_group_sums(const T* xs, float* sxs);
+
 template <typename T, int K, int NT, bool NORM, int GS>
 __device__ __forceinline__ void pl_load_x_mma(const T* x, const T* nw, float eps, T* xs, float* sxs, float* red) {
   pl_load_x<T, K, NT, NORM, 8, true>(x, nw, eps, xs, red);
+  pl_group_sums<T, K, NT, GS>(xs, sxs);
+}
+
+// sum(x) of each group of GS staged values (any order within a group) into sxs; a block barrier after.
+template <typename T, int K, int NT, int GS>
+__device__ __forceinline__ void pl_group_sums(const T* xs, float* sxs) {
   const int lane = threadIdx.x & 31;
   for (int g = threadIdx.x >> 5; g < K / GS; g += NT / 32) {
     float v = 0.f;
@@ -284,14 +293,16 @@ __device__ __forceinline__ void pl_load_words(const uint32_t* p, uint32_t (&q)[N
 // the row), UG groups' words, scales and biases loaded before any is used (the scales loaded after each group's
 // products left their latency exposed a group: Qwen2.5-7B shape, H200, replayed step 327.0 / 336.3 -> 353.6 / 355.3
 // tok/s, docs/BENCHMARKS.md). o0 / o1: the sums of rows r0 / r1 in lanes c == 0.
+// Row r1 is read from the second matrix (wq1, sc1, bi1): the same matrix again for one projection's rows, the up
+// projection's for Gemma's gate/up (geglu).
 template <typename T, int GS, int K, int W, int UG>
-__device__ __forceinline__ void pl_mma_rows(const uint32_t* wq, const T* sc, const T* bi, int r0, int r1,
-                                            const T* xs, const float* sxs, int warp, int lane, float& o0,
-                                            float& o1) {
+__device__ __forceinline__ void pl_mma_rows(const uint32_t* wq, const T* sc, const T* bi, const uint32_t* wq1,
+                                            const T* sc1, const T* bi1, int r0, int r1, const T* xs,
+                                            const float* sxs, int warp, int lane, float& o0, float& o1) {
   constexpr int NG = K / GS, WPT = GS / 32, WPR = K / 8;
   const int c = lane & 3;
   const uint32_t* w0 = wq + (size_t)r0 * WPR + c * WPT;
-  const uint32_t* w1 = wq + (size_t)r1 * WPR + c * WPT;
+  const uint32_t* w1 = wq1 + (size_t)r1 * WPR + c * WPT;
   float acc0 = 0.f, acc1 = 0.f;
   for (int G0 = warp; G0 < NG; G0 += W * UG) {
     uint32_t q0[UG][WPT], q1[UG][WPT];
@@ -303,7 +314,7 @@ __device__ __forceinline__ void pl_mma_rows(const uint32_t* wq, const T* sc, con
         pl_load_words<WPT>(w0 + G * (GS / 8), q0[i]);
         pl_load_words<WPT>(w1 + G * (GS / 8), q1[i]);
         sb[i][0] = sc[(size_t)r0 * NG + G], sb[i][1] = bi[(size_t)r0 * NG + G];
-        sb[i][2] = sc[(size_t)r1 * NG + G], sb[i][3] = bi[(size_t)r1 * NG + G];
+        sb[i][2] = sc1[(size_t)r1 * NG + G], sb[i][3] = bi1[(size_t)r1 * NG + G];
       }
     }
 #pragma unroll

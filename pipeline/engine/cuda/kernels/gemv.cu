@@ -4,7 +4,9 @@
 // GEMV_MODES name the prologue and epilogue of each mode. MLX's rounding to T after each op.
 //
 // body_mma: the same with tensor cores (4-bit weights, float16; common.cuh's pl_mma_rows): a block of 8 warps
-// computes 16 rows (swiglu: 8 row pairs), each warp every 8th quantization group of them.
+// computes 16 rows (swiglu, geglu: 8 row pairs), each warp every 8th quantization group of them. $prologue stages x
+// in pl_mma_slot order with each group's sum (calls.cu's load_x_mma or load_x_res_mma); $pair_row is the second row
+// of a pair (swiglu: N rows below in the same matrix; geglu: the same row of the up matrix, $w1 / $s1 / $b1).
 //
 // body_split: the same for a long input (prologue "copy", quantized weights): the block's 8 warps split
 // every row of its $units, x read from global memory (no staging); the warps' sums added in shared memory.
@@ -100,14 +102,15 @@ $store
   __shared__ float sxs[K / GS];
   __shared__ float red[32];
   __shared__ float part[NT / 32][16];
-  pl_load_x_mma<T, K, NT, $norm, GS>(x, $weight, $eps, xs, sxs, red);
+  $prologue
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
   for (int tile = blockIdx.x; tile * UT < N; tile += gridDim.x) {  // uniform over the block
-    const int ub = tile * UT;
-    const int r0 = min(ub + g, N - 1);
-    const int r1 = PAIR ? r0 + N : min(ub + g + 8, N - 1);
+    const int tb = tile * UT;  // the tile's first unit (not `ub`: geglu's up biases)
+    const int r0 = min(tb + g, N - 1);
+    const int r1 = PAIR ? $pair_row : min(tb + g + 8, N - 1);
     float s0, s1;
-    pl_mma_rows<T, GS, K, NT / 32, $groups_in_flight>(w, s, b, r0, r1, xs, sxs, warp, lane, s0, s1);
+    pl_mma_rows<T, GS, K, NT / 32, $groups_in_flight>($w0, $s0, $b0, $w1, $s1, $b1, r0, r1, xs, sxs, warp, lane, s0,
+                                                      s1);
     if ((lane & 3) == 0) {
       part[warp][g] = s0;
       part[warp][g + 8] = s1;
@@ -121,10 +124,12 @@ $store
         if (PAIR) t1 += part[v][threadIdx.x + 8];
       }
       // One unit a thread, in the names the store_* fragments read: row u0 + u, sums acc[u] (swiglu: acc[2 u],
-      // acc[2 u + 1]).
-      const int u0 = ub + threadIdx.x, u = 0;
+      // acc[2 u + 1]; geglu: acc[u], acc2[u]).
+      const int u0 = tb + threadIdx.x, u = 0;
       if (u0 < N) {
         float acc[2] = {t0, t1};
+        const float acc2[1] = {t1};
+        (void)acc2;
 $store
       }
     }
