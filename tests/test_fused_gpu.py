@@ -398,16 +398,17 @@ def test_gemma3_fused_step_matches_the_model(case, prompt_len):
 @pytest.mark.parametrize("case, prompt_len", [({}, 37), ({}, 130), (dict(group_size=32), 130),
                                               (dict(group_size=128), 64)],
                          ids=["q4-37", "q4-130", "g32", "g128"])
-def test_gemma3_gate_up_on_tensor_cores(case, prompt_len, monkeypatch):
-    """Gemma 3's gate/up kernel (the residual step, two norms, the gate and the up projection, gelu_approx(gate) * up)
-    on tensor cores (GEMV_MMA_MODES "geglu"; its up rows from the second matrix): as close to the float32 twin as the
-    warp-per-row kernel is held to, the same clear-margin argmax."""
-    monkeypatch.setattr(decoder_module, "GEMV_MMA_MODES", ("swiglu", "geglu"))
+def test_gemma3_gemvs_on_tensor_cores(case, prompt_len, monkeypatch):
+    """Gemma 3's gate/up kernel (the residual step, two norms, the gate and the up projection, gelu_approx(gate) * up;
+    GEMV_MMA_MODES "geglu", its up rows from the second matrix) and its vocabulary projection (the last residual step,
+    the final norm; "res_logits") on tensor cores: as close to the float32 twin as the warp-per-row kernels are held
+    to, the same clear-margin argmax."""
+    monkeypatch.setattr(decoder_module, "GEMV_MMA_MODES", ("swiglu", "geglu", "res_logits"))
     model = make_model(**{**GEMMA, **case})
     dec = decoder_for(model)
     lay = dec.layers[0]
-    assert dec._mma_problem(lay["gate"], "geglu", lay["up"]) is None
     assert dec._gemv_kernel(lay["gate"], "geglu", lay["up"])[3]  # built on tensor cores
+    assert dec._gemv_kernel(dec.head, "res_logits")[3]
     assert_as_close_as_the_model({**GEMMA, **case}, prompt_len, Gemma3Decoder)
 
 
@@ -660,13 +661,14 @@ def test_gemma3_launch_plan(monkeypatch):
     assert dec.embed_scale == 16.0  # sqrt(256), exact in bfloat16
 
 
-def test_gemma3_gate_up_on_tensor_cores_launch_plan(monkeypatch):
-    """Gemma 3's gate/up on tensor cores (GEMV_MMA_MODES "geglu", float16 4-bit; runs anywhere): one
-    ``pl_gemv_geglu_mma`` launch a layer reading both matrices and the residual step's inputs, writing the new
-    residual stream too, 8 gate/up row pairs a block covering every row, its source filled in completely."""
+def test_gemma3_gemvs_on_tensor_cores_launch_plan(monkeypatch):
+    """Gemma 3's gate/up and vocabulary projection on tensor cores (GEMV_MMA_MODES "geglu", "res_logits", float16
+    4-bit; runs anywhere): one ``pl_gemv_geglu_mma`` launch a layer reading both matrices and the residual step's
+    inputs, writing the new residual stream too, 8 gate/up row pairs a block covering every row, its source filled in
+    completely; the vocabulary's 16 rows a block covering every row."""
     import pipeline.engine.cuda as fused
 
-    monkeypatch.setattr(decoder_module, "GEMV_MMA_MODES", ("swiglu", "geglu"))
+    monkeypatch.setattr(decoder_module, "GEMV_MMA_MODES", ("swiglu", "geglu", "res_logits"))
     monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
     _RecordingKernel.launches, _RecordingKernel.sources = [], []
     dec = decoder_for(make_model(**GEMMA))
@@ -675,8 +677,11 @@ def test_gemma3_gate_up_on_tensor_cores_launch_plan(monkeypatch):
         a, h = dec._gemv(lay["gate"], "geglu", [v, v, lay["post_attn"], lay["pre_ff"], *lay["gate"].arrays,
                                                 *lay["up"].arrays], proj2=lay["up"])
         assert a.shape == (GEMMA["intermediate_size"],) and h.shape == (dec.hidden,)
-    geglu = _RecordingKernel.launches
+    logits = dec._gemv(dec.head, "res_logits", [v, v, lay["post_ff"], dec.final_norm, *dec.head.arrays])
+    assert logits.shape == (GEMMA["vocab_size"],)
+    geglu, (head,) = _RecordingKernel.launches[:-1], _RecordingKernel.launches[-1:]
     assert [k["name"] for k in geglu] == ["pl_gemv_geglu_mma"] * GEMMA["num_hidden_layers"]
+    assert head["name"] == "pl_gemv_res_logits_mma" and (head["grid"][0] // 256) * 16 >= GEMMA["vocab_size"]
     n = GEMMA["intermediate_size"]
     for k in geglu:
         assert list(k["inputs"])[:4] == ["x", "h", "wpost", "nw"]

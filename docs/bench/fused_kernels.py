@@ -102,7 +102,7 @@ GEMV_KNOBS = ("GEMV_UNROLL", "units_per_warp", "GEMV_BLOCKS_PER_SM", "GEMV_MMA_M
               "MMA_BLOCKS_PER_SM")
 DEFAULT_GEMV = {name: getattr(decoder_module, name) for name in GEMV_KNOBS}
 MMA_MODES = {"0": (), "1": ("swiglu",), "2": ("swiglu", "norm"), "3": ("swiglu", "norm", "residual"),
-             "4": ("swiglu", "geglu")}
+             "4": ("swiglu", "geglu"), "5": ("swiglu", "geglu", "res_logits")}
 
 
 def set_gemv(variant: str | None) -> None:
@@ -114,9 +114,9 @@ def set_gemv(variant: str | None) -> None:
         setattr(decoder_module, name, value)
     if variant is None:
         return
-    m = re.fullmatch(r"u(\d+)(?:s(\d+))?(?:p(\d+))?(?:b(\d+))?(?:m([0-4]))?(?:g(\d+))?(?:c(\d+))?", variant)
+    m = re.fullmatch(r"u(\d+)(?:s(\d+))?(?:p(\d+))?(?:b(\d+))?(?:m([0-5]))?(?:g(\d+))?(?:c(\d+))?", variant)
     if m is None:
-        raise SystemExit(f"--gemv: {variant!r} is not u<N>[s<N>][p<N>][b<N>][m<0-4>][g<N>][c<N>]")
+        raise SystemExit(f"--gemv: {variant!r} is not u<N>[s<N>][p<N>][b<N>][m<0-5>][g<N>][c<N>]")
     u, su, pu, b, mm, g, c = m.groups()
     decoder_module.GEMV_UNROLL = int(u)
     units = DEFAULT_GEMV["units_per_warp"]

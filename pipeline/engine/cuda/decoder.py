@@ -57,7 +57,8 @@ GEMV_BLOCKS_PER_SM: int | None = None
 # groups each warp of such a kernel loads before it uses the first. The warp-per-row gate/up kernel issued an
 # instruction in 70% of its cycles (Nsight Compute, Qwen2.5-7B shape: ~7.5 instructions a 4-bit value, 80 registers);
 # on tensor cores ~2.3. Gate/up only: replayed 7B step 305.8 / 311.1 -> 330.4 / 333.1 tok/s (H200, docs/BENCHMARKS.md);
-# the o/down (224 blocks of 16 rows: too few) and vocab projections measured slower or no faster there.
+# the o/down (224 blocks of 16 rows: too few) and vocab projections measured slower or no faster there. Gemma 3's
+# "geglu" (gate/up after the residual step) and "res_logits" (its vocabulary projection) can run there too.
 GEMV_MMA_MODES: tuple[str, ...] = ("swiglu",)
 MMA_GROUPS_IN_FLIGHT = 4
 # The tensor-core GEMV's grid cap (blocks a SM): its blocks stage x for 16 rows only, so uncapped the staging
@@ -547,7 +548,7 @@ class FusedDecoder:
                 return "not 4-bit weights in float16"
             if p.group_size not in (32, 64, 128):
                 return f"group size {p.group_size}"
-        if pre not in ("copy", "norm", "res") or post not in ("swiglu", "geglu", "plain", "residual"):
+        if pre not in ("copy", "norm", "res", "res_final") or post not in ("swiglu", "geglu", "plain", "residual"):
             return f"mode {mode}"
         if post == "geglu" and proj2.group_size != proj.group_size:
             return "gate and up projections of different group sizes"
@@ -560,9 +561,10 @@ class FusedDecoder:
         pair = post in ("swiglu", "geglu")
         n_out = proj.out_dim // 2 if post == "swiglu" else proj.out_dim
         eps = float_literal(self.eps)
-        if pre == "res":
+        if pre in ("res", "res_final"):
+            write = pre == "res"
             prologue = fill("calls.cu", "load_x_res_mma", clip=str(self.dtype == mx.float16).lower(), eps=eps,
-                            write="true", hout="hout")
+                            write=str(write).lower(), hout="hout" if write else "(T*)nullptr")
         else:
             prologue = fill("calls.cu", "load_x_mma", norm=str(pre == "norm").lower(),
                             weight="nw" if pre == "norm" else "x", eps=eps)
