@@ -102,9 +102,7 @@ class StructuredOutputsParams:
         except ValueError as e:
             problem = str(e)
         if problem:
-            if key in ("regex", "choice"):  # llguidance's "at LINE(COLUMN): " is in the grammar it wrapped them in
-                problem = re.sub(r"^at \d+\(\d+\): ", "", problem)
-            raise JobSpecError(f"{where}.{key}: {one_line(problem)}")
+            raise JobSpecError(f"{where}.{key}: {one_line(problem, key)}")
 
     def lark(self) -> str:
         """The llguidance grammar (its JSON form, as ``llguidance.grammar_from`` builds it).
@@ -123,8 +121,12 @@ class StructuredOutputsParams:
         return llguidance.grammar_from("grammar", self.grammar)
 
 
-def one_line(message: str) -> str:
-    """llguidance's error text on one line: its lines joined, the source excerpts and carets left out."""
+def one_line(message: str, key: str | None = None) -> str:
+    """llguidance's error text on one line: its lines joined, the source excerpts and carets left out; for a
+    ``key`` of "regex" or "choice" also its leading "at LINE(COLUMN): ", a place in the grammar llguidance wrapped
+    the value in, not in the value."""
+    if key in ("regex", "choice"):
+        message = re.sub(r"^at \d+\(\d+\): ", "", message)
     keep = [s.strip() for s in message.splitlines()
             if s.strip() and not set(s.strip()) <= {"^", " "} and "|" not in s[:8]]
     return " ".join(keep)
@@ -177,11 +179,11 @@ class Constraint:
         try:
             grammar = params.lark()
         except ValueError as e:
-            raise RowError(f"structured.{params.key}: {one_line(str(e))}") from None
+            raise RowError(f"structured.{params.key}: {one_line(str(e), params.key)}") from None
         self.family = next(_NEXT_FAMILY) % MATCHER_FAMILIES  # which fresh matcher's lexer it shares
         fresh = _fresh_matcher(grammar, tok, self.family)
         if fresh.is_error():
-            raise RowError(f"structured.{params.key}: {one_line(fresh.get_error())}")
+            raise RowError(f"structured.{params.key}: {one_line(fresh.get_error(), params.key)}")
         self.matcher = fresh.deep_copy()
         # (token, accepted, stopped, error): the matcher advanced by ``SlotMasks.start``'s worker, its verdict
         # read there, so that ``consume`` and ``stopped`` need not touch the matcher while the worker masks it
