@@ -500,7 +500,7 @@ class FusedDecoder:
     def _gemv_kernel(self, proj: Proj, mode: str, proj2: Proj | None = None):
         """``kernels/gemv.cu`` for ``mode`` and these weights: ``(kernel, its warps, its output rows, whether it runs on
         tensor cores)``."""
-        mma = self._mma_problem(proj, mode, proj2) is None
+        mma = self._mma_problem(proj, mode) is None
 
         def make():
             g = self._gemv_source(proj, mode, proj2)
@@ -514,7 +514,7 @@ class FusedDecoder:
     def _gemv_source(self, proj: Proj, mode: str, proj2: Proj | None = None) -> GemvSource:
         """``kernels/gemv.cu``'s body for ``mode`` and these weights (on tensor cores where ``_mma_problem`` allows)."""
         pre, post = self.GEMV_MODES[mode]
-        if self._mma_problem(proj, mode, proj2) is None:
+        if self._mma_problem(proj, mode) is None:
             return self._gemv_mma_source(proj, mode, proj2)
         pair = post in ("swiglu", "geglu")
         n_out = proj.out_dim // 2 if post == "swiglu" else proj.out_dim
@@ -537,21 +537,18 @@ class FusedDecoder:
         warps = -(-n_out // units) * (WARPS_PER_BLOCK if split else 1)
         return GemvSource(f"pl_gemv_{mode}" + ("_split" if split else ""), src, names, outs, warps, n_out, False)
 
-    def _mma_problem(self, proj: Proj, mode: str, proj2: Proj | None = None) -> str | None:
-        """Why mode ``mode`` of ``proj`` (and ``proj2``, geglu's up projection) does not run on tensor cores
-        (``_gemv_mma_source``), or None."""
+    def _mma_problem(self, proj: Proj, mode: str) -> str | None:
+        """Why mode ``mode`` of ``proj`` does not run on tensor cores (``_gemv_mma_source``), or None. Geglu's up
+        projection is quantized as its gate (the blocker's ``projs_problem`` refuses a model where they differ)."""
         pre, post = self.GEMV_MODES[mode]
         if mode not in GEMV_MMA_MODES:
             return f"mode {mode} not in GEMV_MMA_MODES"
-        for p in (proj, proj2) if post == "geglu" else (proj,):
-            if p.bits != 4 or self.dtype != mx.float16:
-                return "not 4-bit weights in float16"
-            if p.group_size not in (32, 64, 128):
-                return f"group size {p.group_size}"
+        if proj.bits != 4 or self.dtype != mx.float16:
+            return "not 4-bit weights in float16"
         if pre not in ("copy", "norm", "res", "res_final") or post not in ("swiglu", "geglu", "plain", "residual"):
             return f"mode {mode}"
-        if post == "geglu" and proj2.group_size != proj.group_size:
-            return "gate and up projections of different group sizes"
+        if proj.group_size not in (32, 64, 128):
+            return f"group size {proj.group_size}"
         return None
 
     def _gemv_mma_source(self, proj: Proj, mode: str, proj2: Proj | None = None) -> GemvSource:
