@@ -465,7 +465,8 @@ class FusedDecoder:
 
     def _attn_source(self, win: int, chunk: int) -> str:
         """``kernels/attn.cu``'s body for blocks of ``chunk`` keys (and threads)."""
-        pre = "" if ATTN_V_PREFETCH == "none" else fill("attn.cu", "v_prefetch", level=ATTN_V_PREFETCH)
+        pre = "" if ATTN_V_PREFETCH == "none" else fill("attn.cu", "v_prefetch",
+                                                         l1=str(ATTN_V_PREFETCH == "L1").lower())
         return fill("attn.cu", "body", head_dim=self.head_dim, chunk=chunk, group=self.n_heads // self.n_kv_heads,
                     window=win, scale=float_literal(self.scale), v_prefetch=pre)
 

@@ -96,13 +96,11 @@ $v_prefetch
   }
   if (t == 0) const_cast<int*>(counts)[h] = 0;
 //@ v_prefetch
-  // The chunk's value rows (contiguous: kend rows of D values) asked of $level before the scores, which they do not
-  // depend on, so the weighted sum below finds them there (ATTN_V_PREFETCH): a 128-byte line a thread in turn.
-  {
-    const char* pl_vb = reinterpret_cast<const char*>(vc + ((size_t)kvh * cap + (size_t)s * CH) * D);
-    const int pl_vn = min(CH, L - s * CH) * D * (int)sizeof(T);
-    for (int i = t * 128; i < pl_vn; i += NT * 128) asm volatile("prefetch.global.$level [%0];" ::"l"(pl_vb + i));
-  }
+  // The chunk's value rows (contiguous: its min(CH, L - s * CH) rows of D values) asked of L2 (L1 when $l1) before the
+  // scores, which they do not depend on, so the weighted sum below finds them there (ATTN_V_PREFETCH): a 128-byte
+  // line a thread in turn.
+  pl_prefetch_lines<$l1>(vc + ((size_t)kvh * cap + (size_t)s * CH) * D, (size_t)min(CH, L - s * CH) * D * sizeof(T),
+                         (size_t)t * 128, (size_t)NT * 128);
 //@ warp_body
   // One WARP (not a block) per chunk of 32 keys of head h (pl_layer's "warps" phase, LAYER_ATTN "warp"): lane i
   // scores key s * 32 + i, the softmax's max and sum are the warp's, each lane sums $head_dim / 32 consecutive values

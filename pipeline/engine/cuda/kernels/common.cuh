@@ -356,13 +356,25 @@ __device__ __forceinline__ float pl_key_dot(const T* kr, const float* qs) {
   return acc;
 }
 
-// L2 prefetch of the n bytes at p by the whole grid: thread i of the grid (block-major) asks for the 128-byte lines
-// i, i + grid threads, ... (PTX prefetch.global.L2: no registers, no wait).
-__device__ __forceinline__ void pl_prefetch_l2(const void* p, size_t n) {
+// Prefetch of the n bytes at p into L2 (L1: into this SM's L1, PTX prefetch.global.L1): the caller asks for the
+// 128-byte lines at byte offsets first, first + stride, ... (no registers, no wait).
+template <bool L1>
+__device__ __forceinline__ void pl_prefetch_lines(const void* p, size_t n, size_t first, size_t stride) {
   const char* c = static_cast<const char*>(p);
+  for (size_t o = first; o < n; o += stride) {
+    if constexpr (L1) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(c + o));
+    } else {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
+    }
+  }
+}
+
+// L2 prefetch of the n bytes at p by the whole grid: thread i of the grid (block-major) asks for lines i, i + grid
+// threads, ...
+__device__ __forceinline__ void pl_prefetch_l2(const void* p, size_t n) {
   const size_t stride = (size_t)gridDim.x * blockDim.x * 128;
-  for (size_t o = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 128; o < n; o += stride)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
+  pl_prefetch_lines<false>(p, n, ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 128, stride);
 }
 
 // L2 prefetch, by the whole grid, of a layer's filled cache rows: each of the KVH kv heads' keys (kc) and values (vc),
