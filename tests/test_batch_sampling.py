@@ -17,7 +17,8 @@ from pipeline.engine import GenerateParams, Generation
 from pipeline.engine.batch import BatchEngine, Request
 from pipeline.engine.batch_sampler import BatchKind, SlotSampler, _split_rows, _uniform_rows
 from pipeline.engine.cuda import sample as cuda_sample
-from pipeline.engine.sampler import SamplerKind, draw, keep_mask, sample_step, sample_tokens, sampler_consts, sampler_state, token_mass
+from pipeline.engine.sampler import (SamplerKind, adjusted_logits, draw, keep_mask, sample_step, sample_tokens,
+                                     sampler_consts, sampler_state, token_mass)
 from test_batch import MAX_POSITIONS, PROMPTS, VOCAB, assert_same_generation, engine_for, llama, run_all  # noqa: F401
 
 V = 96
@@ -237,16 +238,24 @@ def test_cuda_binned_cut_hands_on_only_rows_it_cannot_cut(monkeypatch):
 
 
 def test_neutral_penalties_and_suppress_leave_logits_bitwise_unchanged():
+    """Rows whose penalties are neutral (repetition 1, presence and frequency 0, min_tokens 0) sharing a batch
+    with penalized rows: ``adjusted_logits`` (``sample_batch``'s penalty step) leaves their logits bitwise
+    unchanged, signed zeros, infinities and subnormals included."""
     x = np.random.default_rng(0).normal(size=(4, 512)).astype(np.float32) * 50
     x[:, :6] = [0.0, -0.0, -np.inf, np.inf, 1e-38, -3e38]
     x = mx.array(x)
     seen = mx.array(np.random.default_rng(1).random((4, 512)) < 0.5)
     counts = mx.array(np.random.default_rng(2).integers(0, 5, (4, 512)).astype(np.float32))
-    rep, zero = mx.ones((4, 1)), mx.zeros((4, 1))
-    y = mx.where(seen, mx.where(x > 0, x / rep, x * rep), x)  # sample_batch's penalty arithmetic
-    y = y - zero * (counts > 0) - zero * counts
-    y = mx.where(mx.zeros((4, 512), mx.bool_) & (mx.zeros((4, 1), mx.int32) < mx.full((4, 1), 5, mx.int32)), -mx.inf, y)
+    ones, zeros = mx.ones((4, 1)), mx.zeros((4, 1))
+    suppress = mx.array(np.random.default_rng(3).random((4, 512)) < 0.5)
+    consts = (ones, None, None, None, ones, zeros, zeros, mx.zeros((4, 1), mx.int32), suppress)
+    kind = BatchKind(penalties=True, suppress=True)
+    y = adjusted_logits(kind, x, consts, (None, seen, counts, mx.full((4, 1), 5, mx.int32)))
     assert np.array_equal(np.array(y).view(np.uint32), np.array(x).view(np.uint32))
+    # the same rows with a penalty do change: the check above can fail
+    pen = (ones, None, None, None, ones * 1.3, zeros + 0.5, zeros, mx.full((4, 1), 9, mx.int32), suppress)
+    z = np.array(adjusted_logits(kind, x, pen, (None, seen, counts, mx.full((4, 1), 5, mx.int32))))
+    assert not np.array_equal(z.view(np.uint32), np.array(x).view(np.uint32))
 
 
 @pytest.mark.parametrize("vocab", [V, 49152])

@@ -226,13 +226,12 @@ def test_hub_model_not_cached_is_one_error_line_at_once(tmp_path, hub):
         if _hub_unreachable("https://huggingface.co") is None:
             pytest.skip("the Hugging Face hub is reachable from here")
         env, reason = hub_env(tmp_path), r"the Hugging Face Hub is unreachable \((proxy )?[^()]+:\d+: [^()]+\)"
-    proc, seconds = pipeline_cli("run", str(hub_job(tmp_path, HUB_REPO)), env=env)
+    proc, _ = pipeline_cli("run", str(hub_job(tmp_path, HUB_REPO)), env=env)
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
-    assert len(lines) == 1 and "Retry" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and "Retry" not in proc.stderr, proc.stderr  # one check, no retry loop
     assert re.fullmatch(re.escape(hub_error(tmp_path, HUB_REPO, "@")).replace("@", reason), lines[0]), lines[0]
-    assert seconds < 20  # no retry loop (it took 24 s); the connection check is bounded by 5 s
     assert not (tmp_path / "out").exists()
     proc, _ = pipeline_cli("validate", str(hub_job(tmp_path, HUB_REPO)), env=env)  # the spec's form only
     assert proc.returncode == 0 and proc.stdout.startswith("ok: "), proc.stderr
@@ -287,11 +286,13 @@ def test_connection_check_is_bounded_and_goes_through_the_proxy(monkeypatch):
     assert _hub_unreachable("https://hub.example") == f"proxy 127.0.0.1:{port}: Connection refused"
     monkeypatch.setenv("NO_PROXY", "hub.example")  # direct, then: the name lookup below hangs
 
+    answer = threading.Event()
+
     def hang(*args, **kwargs):  # a name lookup that does not answer (socket timeouts do not bound it)
-        time.sleep(3)
+        answer.wait(60)
         raise OSError("late")
 
     monkeypatch.setattr(socket, "create_connection", hang)
-    t = time.monotonic()
     assert _hub_unreachable("https://hub.example", timeout=0.2) == "hub.example:443: no connection within 0.2 s"
-    assert time.monotonic() - t < 1.5
+    assert not answer.is_set()  # it returned while the lookup was still hanging
+    answer.set()

@@ -14,8 +14,8 @@ import pytest
 from mlx_lm import sample_utils
 
 from pipeline.engine import GenerateParams
-from pipeline.engine.sampler import (SamplerKind, draw, keep_mask, sample_step, sampler_consts, sampler_state,
-                                     token_mass)
+from pipeline.engine.sampler import (SamplerKind, adjusted_logits, draw, keep_mask, sample_step, sampler_consts,
+                                     sampler_state, token_mass)
 
 V = 64
 
@@ -150,17 +150,19 @@ def test_temperature_sampling_follows_softmax():
 
 def test_repetition_penalty_matches_mlx_lm():
     logits = _logits(7)
-    context = [3, 9, 9, 40, 63, 0]
+    top = int(np.argmax(np.array(logits)))
+    # the raw argmax is in the context, so the penalty must move the greedy pick off it
+    context = [3, 9, 9, top, 40, 63, 0]
     ours_kind = SamplerKind(penalties=True)
     p = GenerateParams(repetition_penalty=1.7)
     consts = sampler_consts(p, V, ())
-    key, seen, counts, n_out = sampler_state(ours_kind, 0, context, V)
-    x = mx.where(seen, mx.where(logits > 0, logits / 1.7, logits * 1.7), logits)  # what sample_step applies
+    state = sampler_state(ours_kind, 0, context, V)
+    ours = adjusted_logits(ours_kind, logits, consts, state)
     reference = sample_utils.make_repetition_penalty(1.7, context_size=len(context))(mx.array(context), logits * 1)
-    assert np.allclose(np.array(x), np.array(reference))
-    # and the greedy pick through sample_step is the reference's argmax
-    token, _, _ = sample_step(ours_kind, logits, consts, (key, seen, counts, n_out))
-    assert token.item() == int(np.argmax(np.array(reference)))
+    assert np.allclose(np.array(ours), np.array(reference))
+    # and the greedy pick through sample_step is the reference's argmax, not the raw one
+    token, _, _ = sample_step(ours_kind, logits, consts, state)
+    assert token.item() == int(np.argmax(np.array(reference))) != top
 
 
 def test_presence_and_frequency_penalties_by_definition():
