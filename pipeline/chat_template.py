@@ -21,6 +21,10 @@ class ChatTemplateError(ValueError):
     """The chat template failed to compile or render (including its own ``raise_exception``)."""
 
 
+class ChatTemplateCompileError(ChatTemplateError):
+    """The chat template does not compile: a fault of the model's files, not of any row."""
+
+
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -30,7 +34,12 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 
 @lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
+def compile_chat_template(source: str) -> jinja2.Template:
+    """``source`` (jinja2) compiled in ``transformers``' environment (module docstring); cached.
+
+    Raises:
+        ChatTemplateCompileError: the template does not compile.
+    """
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -38,7 +47,8 @@ def _compile(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateError as e:
-        raise ChatTemplateError(f"chat template does not compile: {e}") from None
+        raise ChatTemplateCompileError(f"the model's chat template does not compile: {e}; fix it in the model's "
+                                       "files or set input.apply_chat_template: false") from None
 
 
 def render_chat_template(
@@ -55,10 +65,11 @@ def render_chat_template(
     Returns the prompt text, special tokens written out as text.
 
     Raises:
-        ChatTemplateError: the template does not compile, or rendering failed (for example the
-            template called ``raise_exception`` on an unsupported role order).
+        ChatTemplateCompileError: the template does not compile.
+        ChatTemplateError: rendering failed (for example the template called ``raise_exception`` on an
+            unsupported role order).
     """
-    template = _compile(source)
+    template = compile_chat_template(source)
     try:
         return template.render(
             messages=messages,

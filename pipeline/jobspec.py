@@ -24,6 +24,9 @@ from .engine.structured import StructuredOutputsParams
 from .errors import JobSpecError
 from .resolve import DEFAULT_MODEL
 
+# max_tokens, min_tokens and top_k reach the device as int32 scalars (engine.sampler.sampler_consts)
+INT32_LIMIT = 2**31
+
 
 class _Problems(list):
     """Problems found by a ``check()``; ``raise_any()`` raises them together as one ``JobSpecError``."""
@@ -237,6 +240,9 @@ class GenerationSpec(GenerateParams):
             bad("top_p", "in (0, 1]", self.top_p)
         if self.top_k < -1:
             bad("top_k", "-1, 0 (off) or >= 1", self.top_k)
+        for key in ("max_tokens", "min_tokens", "top_k"):
+            if getattr(self, key) >= INT32_LIMIT:
+                bad(key, "< 2**31", getattr(self, key))
         if not 0 <= self.min_p <= 1:
             bad("min_p", "in [0, 1]", self.min_p)
         if not (finite(self.repetition_penalty) and self.repetition_penalty > 0):

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .chat_template import ChatTemplateCompileError, ChatTemplateError
 from .errors import RowError
 from .inputs import InputRow
 from .jobspec import InputSpec
@@ -135,7 +136,9 @@ def _encode_template(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
 def _render(tokenizer: Tokenizer, messages: list[dict]) -> str:
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ValueError as e:
+    except ChatTemplateCompileError:
+        raise  # the model's fault: it stops the run, not this row
+    except ChatTemplateError as e:
         raise RowError(str(e)) from None
 
 

@@ -7,6 +7,7 @@ same file (checked against llama.cpp reference ids in ``tests/fixtures``).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Sequence
 from functools import cached_property
@@ -16,6 +17,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from .chat_template import render_chat_template
+
+log = logging.getLogger("pipeline")
 
 # llama.cpp token types (llama.cpp: `enum llama_token_type` / gguf-py `TokenType`).
 _TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
@@ -381,7 +384,9 @@ def _end_of_turn_id(hf: HFTokenizer, template: str | None, bos_token: str, eos_t
     try:
         text = render_chat_template(template, messages, add_generation_prompt=False,
                                     bos_token=bos_token, eos_token=eos_token)
-    except Exception:  # templates raise anything (their own errors, TypeError, ...); the declared EOS ids stand
+    except Exception as e:  # templates raise anything (their own errors, TypeError, ...); the declared EOS ids stand
+        log.warning("the chat template failed on a user + assistant conversation (%s: %s); only the "
+                    "declared EOS ids stop generation", type(e).__name__, e)
         return None
     at = text.rfind(_PROBE_ASSISTANT)
     if at < 0:

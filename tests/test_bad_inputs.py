@@ -166,6 +166,8 @@ CASES = [
          commands=VALIDATE),
     Case("top-k", [J + "generation.top_k must be -1, 0 (off) or >= 1, got -2"], {"generation": {"top_k": -2}},
          commands=VALIDATE),
+    Case("top-k-past-int32", [J + "generation.top_k must be < 2**31, got 100000000000000000000000"],
+         {"generation": {"top_k": 10**23}}),
     Case("min-p", [J + "generation.min_p must be in [0, 1], got 1.5"], {"generation": {"min_p": 1.5}},
          commands=VALIDATE),
     Case("repetition-penalty", [J + "generation.repetition_penalty must be a finite number > 0, got 0.0"],

@@ -198,3 +198,38 @@ def test_on_ray_a_row_raising_in_an_actor_stops_the_run(tiny_model, prompts, tmp
     n = check_stopped(proc, out, reference[1])
     assert n in (0, 2, 4, 6)  # whole units: those before row-06's whose records reached the driver first
     check_resumed(job, out, n, reference[1], "--ray", "local")
+
+
+def test_a_commit_failing_after_the_stop_keeps_the_row_error_as_its_cause(tiny_model, prompts, tmp_path, monkeypatch):
+    """The row's error stops the run; committing the rows finished before it then fails with an I/O error that is
+    not a full disk (EIO, which no file system here can be made to raise on demand: ``ShardStore.commit`` raises
+    it). The I/O error propagates with the row's ``GenerationError`` as its cause, not in its place."""
+    import errno
+
+    import mlx.core as mx
+
+    import pipeline.models.llama as llama
+    from pipeline.jobspec import load_job
+    from pipeline.run.control import run_job
+    from pipeline.run.local import GenerationError
+    from pipeline.shards import ShardStore
+
+    forward = llama.Model.__call__
+
+    def failing(self, inputs, *args, **kwargs):
+        if inputs.shape[-1] >= FAIL_AT:
+            mx.zeros((2, 3)) @ mx.zeros((4, 5))
+        return forward(self, inputs, *args, **kwargs)
+
+    def commit(self, *args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(llama.Model, "__call__", failing)
+    monkeypatch.setattr(ShardStore, "commit", commit)
+    job = load_job(write_job(tmp_path / "job.yaml", tiny_model, prompts, tmp_path / "out",
+                             output={"dir": str(tmp_path / "out"), "shard_size": 100}))
+    with pytest.raises(OSError) as e:
+        run_job(job, progress=False, echo=lambda *_: None)
+    assert e.value.errno == errno.EIO
+    cause = e.value.__cause__
+    assert isinstance(cause, GenerationError) and f"'{BAD}'" in str(cause) and MLX_ERROR in str(cause), repr(cause)

@@ -8,6 +8,8 @@ import subprocess
 from pathlib import Path
 
 import mlx.core as mx
+import pyarrow as pa
+import pyarrow.parquet as pq
 import mlx.nn as nn
 import numpy as np
 import pytest
@@ -253,6 +255,39 @@ def test_bos_not_doubled_when_template_emits_it(tmp_path, weights):
     raw = build_prompt(row, InputSpec(path="x", apply_chat_template=False), tok).token_ids
     assert raw == [BOS, 9, 10]
 
+
+
+def test_a_chat_template_that_fails_on_a_conversation_warns_and_keeps_the_declared_eos(tmp_path, weights, caplog):
+    # the template's own TypeError (str + int) on the probe conversation: the end-of-turn token is not found
+    bad = TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] + 1 }}")
+    d = make_dir(tmp_path / "m", weights, tokenizer_config={"bos_token": "<s>", "eos_token": "</s>", "chat_template": bad})
+    with caplog.at_level("WARNING", logger="pipeline"):
+        tok = load(d).tokenizer
+    assert tok.eos_token_ids == (EOS,)  # <|im_end|> not added: the template could not show it
+    warnings = [r.getMessage() for r in caplog.records if "chat template failed" in r.getMessage()]
+    assert len(warnings) == 1 and "TypeError" in warnings[0], caplog.text
+
+
+def test_a_chat_template_that_does_not_compile_stops_the_job_before_any_row(tmp_path, weights):
+    d = make_dir(tmp_path / "m", weights, tokenizer_config={
+        "bos_token": "<s>", "eos_token": "</s>", "chat_template": "{% for m in messages %}{{ m.content }{% endfor %}"})
+    pq.write_table(pa.table({"id": [1, 2], "prompt": ["hello", "hello world"]}), tmp_path / "in.parquet")
+    job = {"model": str(d), "input": {"path": str(tmp_path / "in.parquet"), "id_column": "id"},
+           "generation": {"max_tokens": 2}, "output": {"dir": str(tmp_path / "out")}}
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    proc = subprocess.run(["pipeline", "run", str(tmp_path / "job.yaml"), "--no-progress"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 1, proc.stderr  # the model's fault: not a failed row each (exit 3)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: model {str(d)!r}: the model's chat template does not compile: unexpected '}}'; fix "
+                      "it in the model's files or set input.apply_chat_template: false"], proc.stderr
+    assert not list((tmp_path / "out").glob("*.parquet"))
+    # without the template the same model runs
+    (tmp_path / "job.yaml").write_text(json.dumps({**job, "input": {**job["input"], "apply_chat_template": False}}))
+    proc = subprocess.run(["pipeline", "run", str(tmp_path / "job.yaml"), "--no-progress"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert pq.read_table(next((tmp_path / "out").glob("*.parquet"))).num_rows == 2
 
 # --- pipeline inspect -------------------------------------------------------------------------------
 

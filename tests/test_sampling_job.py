@@ -73,12 +73,14 @@ def test_changed_seed_changes_completions(sampled):
 
 def test_row_override_columns(tmp_path):
     table = pa.table({
-        "id": ["short", "bad", "two", "stopper"],
-        "prompt": ["Name three colors.", "Say hello.", "Count to five.", "Count from one to ten, separated by commas."],
-        "max_tokens": pa.array([2, None, None, 40], pa.int64()),
-        "temperature": pa.array([None, -1.0, 0.9, None], pa.float64()),
-        "n": pa.array([None, None, 2, None], pa.int64()),
-        "stop": pa.array([None, None, None, ["4", "four"]], pa.list_(pa.string())),
+        "id": ["short", "bad", "two", "stopper", "huge"],
+        "prompt": ["Name three colors.", "Say hello.", "Count to five.", "Count from one to ten, separated by commas.",
+                   "Say hello."],
+        "max_tokens": pa.array([2, None, None, 40, None], pa.int64()),
+        "temperature": pa.array([None, -1.0, 0.9, None, 0.9], pa.float64()),
+        "n": pa.array([None, None, 2, None, None], pa.int64()),
+        "stop": pa.array([None, None, None, ["4", "four"], None], pa.list_(pa.string())),
+        "top_k": pa.array([None, None, None, None, 10**19], pa.uint64()),  # past int64: the row fails alone
     })
     data = tmp_path / "overrides.parquet"
     pq.write_table(table, data)
@@ -88,7 +90,9 @@ def test_row_override_columns(tmp_path):
     job.write_text(yaml.safe_dump(job_dict))
     proc = run_cli("run", str(job), "--no-progress", check=False)
     rows = rows_of(tmp_path / "out")
-    assert sorted(rows) == [("bad", 0), ("short", 0), ("stopper", 0), ("two", 0), ("two", 1)], proc.stderr
+    assert proc.returncode == 3, proc.stderr
+    assert sorted(rows) == [("bad", 0), ("huge", 0), ("short", 0), ("stopper", 0), ("two", 0), ("two", 1)], proc.stderr
+    assert rows[("huge", 0)]["error"] == "input column 'top_k' must be < 2**31, got 10000000000000000000"
     assert rows[("short", 0)]["completion_tokens"] == 2 and rows[("short", 0)]["finish_reason"] == "length"
     assert rows[("bad", 0)]["error"] == "input column 'temperature' must be a finite number >= 0, got -1.0"
     assert rows[("bad", 0)]["completion"] is None

@@ -124,7 +124,7 @@ def sampler_consts(params, vocab_size: int, suppress_ids) -> SamplerConsts:
     f32 = lambda v: mx.array(v, dtype=mx.float32)  # noqa: E731
     return SamplerConsts(
         f32(1.0 / t if t > 0 else 1.0),
-        mx.array(params.top_k if params.top_k > 0 else vocab_size, dtype=mx.int32),
+        mx.array(min(params.top_k, vocab_size) if params.top_k > 0 else vocab_size, dtype=mx.int32),
         f32(params.top_p if params.top_p < 1 else 2.0),
         f32(params.min_p),
         f32(params.repetition_penalty),

@@ -369,7 +369,12 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
                                                       planned=planned, warm_up=warm_up, note=say)
                 except GenerationError as e:  # the rows finished before it are committed; the next run resumes
                     stopped = e
-                flush()
+                try:
+                    flush()
+                except Exception as e:  # a commit failing after a stop keeps the stop as its cause
+                    if stopped is None or isinstance(e, DiskFullError):
+                        raise
+                    raise e from stopped
                 summary.interrupted = signals.first
             except Aborted as e:
                 summary.interrupted, summary.aborted = signals.first or str(e), True

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..chat_template import ChatTemplateCompileError, compile_chat_template
 from ..engine import BatchEngine, Engine, Request
 from ..engine.batch import check_kv_memory, memory_limit
 from ..engine.score import score
@@ -150,6 +151,7 @@ def load_job_model(job: JobSpec, path: Path) -> LoadedModel:
     Raises:
         GGUFError, ModelDirError, ConfigError, WeightsError: the model cannot be loaded.
         TokenizerError: ``input.apply_chat_template`` and the model has no chat template.
+        ChatTemplateCompileError: ``input.apply_chat_template`` and the model's chat template does not compile.
     """
     lm = load_model(job.model, dtype=job.engine.dtype, dequantize=job.engine.dequantize,
                     prefill_step_size=job.engine.prefill_step_size, cache_spec=job.cache,
@@ -157,6 +159,11 @@ def load_job_model(job: JobSpec, path: Path) -> LoadedModel:
                     fused=job.engine.fused)
     if job.input.apply_chat_template and not lm.tokenizer.chat_template:
         raise TokenizerError(f"model {job.model!r} has no chat template; set input.apply_chat_template: false")
+    if job.input.apply_chat_template:
+        try:
+            compile_chat_template(lm.tokenizer.chat_template)
+        except ChatTemplateCompileError as e:
+            raise ChatTemplateCompileError(f"model {job.model!r}: {e}") from None
     return lm
 
 
