@@ -32,6 +32,7 @@ without ``sha256`` (older manifests) are checked for what they record.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -124,7 +125,8 @@ def atomic_write(path: Path, write) -> None:
         os.replace(tmp, path)
     except BaseException as e:
         if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the write's error is the one to report, not the cleanup's
+                Path(tmp).unlink(missing_ok=True)
         if (full := disk_full(e, path.parent, path.name)) is not None:
             raise full from None  # one error, not the write's and then the close's
         raise
