@@ -155,14 +155,25 @@ def _row_messages(row: InputRow, spec: InputSpec) -> tuple[str | None, list[dict
         RowError: as ``build_prompt``.
     """
     if row.messages is not None:
-        messages = _check_messages(row.messages)
+        if len(row.messages) == 0:
+            raise RowError(f"input column {spec.messages_column!r} is empty")
+        try:
+            messages = _check_messages(row.messages)
+        except RowError as e:
+            raise RowError(f"input column {spec.messages_column!r}: {e}") from None
         users = [m["content"] for m in messages if m["role"] == "user"]
         text = users[-1] if users else None
     else:
-        if row.prompt is None:
-            raise RowError("prompt is null")
-        if row.prompt == "":
-            raise RowError("prompt is empty")
+        if row.prompt is None or row.prompt == "":
+            state = "is null" if row.prompt is None else "is empty"
+            if spec.template is not None:
+                raise RowError(f"input.template's prompt {state}")
+            col, msgs = spec.prompt_column, spec.messages_column
+            if col is None:  # messages only
+                raise RowError(f"input column {msgs!r} is null")
+            if msgs and row.prompt is None:
+                raise RowError(f"input columns {col!r} and {msgs!r} are null")
+            raise RowError(f"input column {col!r} {state}" + (f" and {msgs!r} is null" if msgs else ""))
         text = row.prompt
         if not spec.apply_chat_template:
             return text, None

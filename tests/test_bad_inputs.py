@@ -330,13 +330,16 @@ def test_bad_rows_fail_alone_and_the_others_are_generated(tmp_path):
     """Per-row problems are not job errors: each bad row gets its error, the rest are generated."""
     rows = [  # (id, prompt, messages, temperature override, expected error or None)
         (0, "Say hi.", None, None, None),
-        (1, None, None, None, "prompt is null"),
-        (2, "", None, None, "prompt is empty"),
-        (3, None, [{"role": "user", "content": None}], None, "messages[0] needs string 'role' and 'content'"),
-        (4, None, [{"role": None, "content": "hi"}], None, "messages[0] needs string 'role' and 'content'"),
+        (1, None, None, None, "input columns 'prompt' and 'messages' are null"),
+        (2, "", None, None, "input column 'prompt' is empty and 'messages' is null"),
+        (3, None, [{"role": "user", "content": None}], None,
+         "input column 'messages': messages[0] needs string 'role' and 'content'"),
+        (4, None, [{"role": None, "content": "hi"}], None,
+         "input column 'messages': messages[0] needs string 'role' and 'content'"),
         (5, None, [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}], None,
-         "messages[1]: unknown role 'robot' (expected system, user, assistant, tool or developer)"),
-        (6, None, [], None, "messages is empty"),
+         "input column 'messages': messages[1]: unknown role 'robot' (expected system, user, assistant, tool or "
+         "developer)"),
+        (6, None, [], None, "input column 'messages' is empty"),
         (7, "hello " * 9000, None, None,
          "prompt has 9031 tokens; the model's context is 8192 (input.truncate: left or right cuts it to fit)"),
         (8, "Say hi.", None, -1.0, "input column 'temperature' must be a finite number >= 0, got -1.0"),

@@ -85,8 +85,8 @@ def test_output_schema_is_explicit_and_flat(full_run):
 def test_rows_have_completions_or_errors(full_run):
     out, _ = full_run
     rows = {r["id"]: r for r in read_output(out).to_pylist()}
-    assert rows[EMPTY_ID]["error"] == "prompt is empty" and rows[EMPTY_ID]["completion"] is None
-    assert rows[NULL_ID]["error"] == "prompt is null" and rows[NULL_ID]["completion"] is None
+    assert rows[EMPTY_ID]["error"] == "input column 'prompt' is empty and 'messages' is null" and rows[EMPTY_ID]["completion"] is None
+    assert rows[NULL_ID]["error"] == "input columns 'prompt' and 'messages' are null" and rows[NULL_ID]["completion"] is None
     valid = [r for i, r in rows.items() if i not in (EMPTY_ID, NULL_ID)]
     for r in valid:
         assert r["error"] is None, r

@@ -68,7 +68,7 @@ def test_retry_failed_replaces_only_failed_rows(tiny, tmp_path):
     proc = run_cli("run", str(job), "--no-progress", expect=3)
     assert "1 row(s) failed" in proc.stderr
     before = {r["id"]: r for r in read_output(out).to_pylist()}
-    assert before["r2"]["error"] == "prompt is empty"
+    assert before["r2"]["error"] == "input column 'prompt' is empty"
     write_input(data, PROMPTS)  # the user fixes the data
     proc = run_cli("run", str(job), "--no-progress", expect=3)
     assert "nothing to do" in proc.stdout and "input files changed" in proc.stdout

@@ -64,7 +64,7 @@ def check_rows(rows: list[dict]) -> None:
     assert len(rows) == len(by_id) and sorted(by_id) == IDS
     for i, r in by_id.items():
         if i in FAILED:
-            assert r["error"] == "prompt is null", r
+            assert r["error"] == "input column 'prompt' is null", r
             for c in NULL_WHEN_FAILED:
                 assert r[c] is None, (c, r)
         else:
