@@ -11,6 +11,10 @@ loads it with ``RTLD_GLOBAL`` before ``mlx.core``. The dynamic linker then binds
 calls straight to OpenBLAS (glibc >= 2.28 does not relocate ``SHN_ABS`` symbols; the mlx-cpu wheel
 needs glibc >= 2.35). The binding is checked with ``dlsym`` before it counts as loaded.
 
+On x86-64, ``cblas_sgemm`` is bound to a small forwarder instead (``gemv_forward``): single-row products
+(a batch-1 decode step's) go to ``cblas_sgemv``, which OpenBLAS runs at about twice the bandwidth of its
+sgemm on one row. ``PIPELINE_GEMV_FORWARD=0`` binds sgemm directly.
+
 This must run before ``mlx.core`` is first imported (``import pipeline`` does it). Set
 ``PIPELINE_BLAS=reference`` to keep the bundled reference BLAS.
 """
@@ -36,6 +40,32 @@ ROUTINES = (
     "spotrf_", "dpotrf_", "strtri_", "dtrtri_",
 )
 _ELF_MACHINE = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183}  # EM_X86_64, EM_AARCH64 (elf.h)
+
+# The ``cblas_sgemm`` MLX calls on x86-64: single-row products (M = 1, row-major, A not transposed, K > 0: a
+# batch-1 decode step's x @ W.T) go to ``cblas_sgemv``; every other call jumps to ``cblas_sgemm`` unchanged.
+# OpenBLAS's sgemm runs a single row at about half its sgemv's bandwidth (scipy-openblas32 0.3.34, SkylakeX
+# kernels, 2 threads, a 153,600 x 576 float32 matrix: 11.5 against 21.1 GB/s on a 2-core x86_64 VM; its
+# GEMM_GEMV_FORWARD build option does the same inside OpenBLAS, not on in this build). System V AMD64 ABI:
+# both functions take their first six integer arguments in registers and the rest on the stack, floats
+# (alpha, beta) in xmm0 and xmm1, which carry over; sgemv's four stack arguments are written over sgemm's
+# incoming ones (the callee's to use) and the jump is a tail call. Assembled with GNU as 2.40 from:
+#       cmp ecx, 1 ; jne G ; test r9d, r9d ; jz G         M == 1, K > 0
+#       cmp edi, 101 ; jne G ; cmp esi, 111 ; jne G       CblasRowMajor, A CblasNoTrans
+#       cmp edx, 112 ; je T ; cmp edx, 111 ; jne G
+#       mov esi, 112 ; mov edx, r9d ; mov ecx, r8d ; jmp S     B (K x N): y = B^T x, sgemv Trans K x N
+#   T:  mov esi, 111 ; mov edx, r8d ; mov ecx, r9d             B (N x K): y = B x, sgemv NoTrans N x K
+#   S:  mov rax, [rsp+8] ; mov r10, [rsp+40]                   A (x), C (y)
+#       mov r8, [rsp+24] ; mov r9d, [rsp+32]                   B and ldb as sgemv's matrix and lda
+#       mov [rsp+8], rax ; mov qword ptr [rsp+16], 1           x, incx
+#       mov [rsp+24], r10 ; mov qword ptr [rsp+32], 1          y, incy
+#       movabs rax, SGEMV ; jmp rax
+#   G:  movabs rax, SGEMM ; jmp rax
+_GEMV_FORWARD_X86_64 = bytes.fromhex(
+    "83f901756d4585c9746883ff65756383fe6f755e83fa70741283fa6f7554be700000004489ca4489c1eb0bbe6f0000004489c2"
+    "4489c9488b4424084c8b5424284c8b442418448b4c2420488944240848c7442410010000004c8954241848c744242001000000"
+    "48b81111111111111111ffe048b82222222222222222ffe0")
+_SGEMV_IMM, _SGEMM_IMM = 104, 116  # offsets of the two movabs immediates
+_CODE: list = []  # the forwarder's executable pages, kept for the life of the process
 _FIX = "pip install --force-reinstall scipy-openblas32"
 
 
@@ -52,6 +82,7 @@ class BlasState:
         path: the OpenBLAS library file, or None.
         reason: why OpenBLAS is not active (None when it is, or where it is not expected).
         expected: the fast path is promised here (Linux, not turned off by ``PIPELINE_BLAS=reference``).
+        gemv_forward: MLX's single-row products run on OpenBLAS's sgemv (``gemv_forward``; x86-64).
     """
 
     active: bool
@@ -61,11 +92,14 @@ class BlasState:
     path: str | None = None
     reason: str | None = None
     expected: bool = False
+    gemv_forward: bool = False
 
     def line(self) -> str:
-        """``"OpenBLAS from scipy-openblas32 0.3.34.481.3, Haswell kernels, 2 threads"``, or the name and why OpenBLAS is off."""
+        """``"OpenBLAS from scipy-openblas32 0.3.34.481.3, Haswell kernels, 2 threads, single-row products on
+        sgemv"``, or the name and why OpenBLAS is off."""
         if self.active:
-            return f"{self.name}, {self.core} kernels, {self.threads} thread{'s' * (self.threads != 1)}"
+            line = f"{self.name}, {self.core} kernels, {self.threads} thread{'s' * (self.threads != 1)}"
+            return line + (", single-row products on sgemv" if self.gemv_forward else "")
         return self.name + (f" ({self.reason})" if self.reason else "")
 
     def short(self) -> str:
@@ -76,7 +110,7 @@ class BlasState:
     def to_dict(self) -> dict:
         """The run record's and benchmark document's ``blas`` entry."""
         return {"name": self.name, "active": self.active, "core": self.core, "threads": self.threads,
-                "reason": self.reason, "line": self.line()}
+                "reason": self.reason, "gemv_forward": self.gemv_forward, "line": self.line()}
 
 
 STATE = BlasState(active=False, name="not checked yet")
@@ -117,6 +151,11 @@ def load_openblas() -> str | None:
         targets = {n: a for n, a in targets.items() if a}
         if "cblas_sgemm" not in targets:
             raise OSError(f"{path} has no scipy_cblas_sgemm")
+        forward = None
+        if machine == 62 and targets.get("cblas_sgemv") and os.environ.get("PIPELINE_GEMV_FORWARD") != "0":
+            forward = gemv_forward(targets["cblas_sgemm"], targets["cblas_sgemv"])
+            if forward is not None:
+                targets["cblas_sgemm"] = forward
         alias = _load_alias_library(alias_elf(targets, machine))
         bound = {n: _address(ctypes.CDLL(None), n) for n in targets}
         wrong = [n for n, a in targets.items() if bound[n] != a]
@@ -127,7 +166,8 @@ def load_openblas() -> str | None:
         return None
     _LIB, LOADED = lib, path
     STATE = BlasState(active=True, name=_name(), core=_text(lib, "scipy_openblas_get_corename"),
-                      threads=lib.scipy_openblas_get_num_threads(), path=path, expected=True)
+                      threads=lib.scipy_openblas_get_num_threads(), path=path, expected=True,
+                      gemv_forward=forward is not None)
     return LOADED
 
 
@@ -140,6 +180,61 @@ def warn_if_slow() -> None:
     _warned = True
     log.warning("%s; MLX's CPU matmuls run on the reference BLAS bundled with mlx, about 5x slower "
                 "(the main job: 3.3 vs 16.0 tok/s on a 2-core x86_64 CPU); fix: %s", STATE.reason, _FIX)
+
+
+def gemv_forward(sgemm: int, sgemv: int) -> int | None:
+    """An executable copy of ``_GEMV_FORWARD_X86_64`` jumping to ``sgemm`` and ``sgemv`` (CBLAS entry points'
+    addresses), checked against ``sgemm`` itself; returns its address, or None where Linux refuses executable
+    memory or the check fails (then MLX calls sgemm directly, as before). x86-64 only."""
+    import mmap
+
+    code = bytearray(_GEMV_FORWARD_X86_64)
+    code[_SGEMV_IMM:_SGEMV_IMM + 8] = struct.pack("<Q", sgemv)
+    code[_SGEMM_IMM:_SGEMM_IMM + 8] = struct.pack("<Q", sgemm)
+    try:
+        page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        page.write(bytes(code))
+        address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.mprotect(address, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_EXEC) != 0:
+            return None
+    except (OSError, ValueError, AttributeError):
+        return None
+    _CODE.append(page)
+    return address if _forward_matches(address, sgemm) else None
+
+
+_SGEMM = ctypes.CFUNCTYPE(None, *[ctypes.c_int] * 6, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                          ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int)
+
+
+def _forward_matches(forward: int, sgemm: int) -> bool:
+    """The forwarder gives sgemm's products (to float32 rounding; sgemv sums in its own order) on single rows of
+    both layouts of B, with beta 0 over a C of NaNs (MLX's output buffers are not initialized), with alpha and
+    beta, and passes a two-row product to sgemm bit for bit. Plain Python lists, no NumPy."""
+    ours, theirs = _SGEMM(forward), _SGEMM(sgemm)
+    k, n = 5, 7
+    a = [0.5 + 0.25 * i for i in range(2 * k)]
+    b = [((3 * i) % 11 - 5) / 4 for i in range(k * n)]
+    cases = [  # trans_b, m, alpha, beta, C's start value
+        (112, 1, 1.0, 0.0, float("nan")), (111, 1, 1.0, 0.0, float("nan")), (112, 1, 2.0, 0.5, 1.5),
+        (111, 1, -1.0, 0.5, 1.5), (112, 2, 1.0, 0.0, 0.0)]
+    for trans_b, m, alpha, beta, start in cases:
+        ldb = k if trans_b == 112 else n
+        out = []
+        for fn in (ours, theirs):
+            fa, fb = (ctypes.c_float * len(a))(*a), (ctypes.c_float * len(b))(*b)
+            c = (ctypes.c_float * (m * n))(*[start] * (m * n))
+            fn(101, 111, trans_b, m, n, k, alpha, ctypes.addressof(fa), k, ctypes.addressof(fb), ldb, beta,
+               ctypes.addressof(c), n)
+            out.append(list(c))
+        got, want = out
+        if m > 1 and got != want:
+            return False
+        if any(not abs(g - w) <= 1e-5 * (1 + abs(w)) for g, w in zip(got, want)):  # NaN fails too
+            return False
+    return True
 
 
 def _open_scipy_openblas():

@@ -73,6 +73,45 @@ def test_mlx_matmul_runs_on_openblas():
     np.testing.assert_allclose(ours, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
 
 
+def _sgemv(lib, w: np.ndarray, x: np.ndarray, trans: bool) -> np.ndarray:
+    """y = op(W) x through OpenBLAS's ``scipy_cblas_sgemv`` (row-major), y first filled with NaN, beta 0."""
+    rows, cols = w.shape
+    y = np.full(cols if trans else rows, np.nan, dtype=np.float32)
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.scipy_cblas_sgemv(i(CblasRowMajor), i(112 if trans else CblasNoTrans), i(rows), i(cols), f(1.0),
+                          p(w.ctypes.data), i(cols), p(x.ctypes.data), i(1), f(0.0), p(y.ctypes.data), i(1))
+    return y
+
+
+@linux
+@pytest.mark.skipif(os.uname().machine.lower() not in ("x86_64", "amd64"), reason="the forwarder is x86-64 code")
+def test_single_row_products_run_on_openblas_sgemv():
+    """A batch-1 step's x @ W.T (and x @ W) gives OpenBLAS sgemv's bits exactly, not its sgemm's (which reads
+    a single row at about half the bandwidth); products of more rows still give sgemm's bits."""
+    assert _blas.STATE.gemv_forward and _blas.STATE.to_dict()["gemv_forward"] is True
+    lib = ctypes.CDLL(_blas.LOADED)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 1536), dtype=np.float32)
+    w = rng.standard_normal((96, 1536), dtype=np.float32)  # (out, in), as a Linear's weight
+    wt = np.ascontiguousarray(w.T)
+    with mx.stream(mx.cpu):
+        transposed = np.array(mx.array(x) @ mx.array(w).T)[0]
+        plain = np.array(mx.array(x) @ mx.array(wt))[0]
+        two = np.array(mx.array(np.concatenate([x, x])) @ mx.array(w).T)
+    assert np.array_equal(transposed, _sgemv(lib, w, x, trans=False))
+    assert np.array_equal(plain, _sgemv(lib, wt, x, trans=True))
+    def sgemm_wt(a: np.ndarray) -> np.ndarray:  # a @ w.T through OpenBLAS's sgemm, w transposed as MLX passes it
+        c = np.zeros((a.shape[0], 96), dtype=np.float32)
+        p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        lib.scipy_cblas_sgemm(i(CblasRowMajor), i(CblasNoTrans), i(112), i(a.shape[0]), i(96), i(1536), f(1.0),
+                              p(a.ctypes.data), i(1536), p(w.ctypes.data), i(1536), f(0.0), p(c.ctypes.data), i(96))
+        return c
+
+    assert not np.array_equal(transposed, sgemm_wt(x)[0])  # the route is visible in the last bits at K = 1536
+    assert np.array_equal(two, sgemm_wt(np.ascontiguousarray(np.concatenate([x, x]))))
+    np.testing.assert_allclose(transposed, (x.astype(np.float64) @ w.T)[0], rtol=1e-4, atol=1e-3)
+
+
 @linux
 def test_alias_elf_binds_names_to_addresses():
     """The generated shared object makes a new name resolve to an existing function's address: here
