@@ -81,7 +81,10 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
     try:
         job = job_from_dict(manifest["info"]["job"])
         rows, _ = read_rows(job.input)
-    except (KeyError, JobSpecError, InputError) as e:
+    except (KeyError, TypeError):
+        status["pending_error"] = "the manifest records no job (info.job)"
+        return status
+    except (JobSpecError, InputError) as e:
         status["pending_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         return status
 

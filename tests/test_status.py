@@ -129,3 +129,16 @@ def test_rows_an_old_force_mixed_are_reported_as_unrecorded(tiny, tmp_path):
     assert format_settings(job_status(out)) == (
         "settings: mixed — 4 rows settings not recorded (an older manifest; --force changed them) (runs 1-2), "
         "2 rows max_tokens=3 (run 3)")
+
+
+def test_a_manifest_without_its_job_says_the_pending_rows_are_unknown(tiny, tmp_path):
+    spec = job(tiny, tmp_path)
+    out = tmp_path / "out"
+    run_job(spec, limit=2, progress=False, echo=lambda _: None)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["info"]["job"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    st = job_status(out)
+    assert st["rows_done"] == 2 and st["rows_pending"] is None and st["eta_s"] is None
+    assert st["pending_error"] == "the manifest records no job (info.job)"
+    assert "unknown (the manifest records no job (info.job))" in format_status(st)
