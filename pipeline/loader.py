@@ -18,7 +18,7 @@ from .engine.structured import StructuredOutputsParams
 from .gguf import read_gguf
 from .modeldir import model_files, read_model_dir, weight_files
 from .models import FAMILIES, build_model, dense_prefill, dequantize_model, dequantized_nbytes
-from .models.base import ConfigError, fuse_projections
+from .models.base import ConfigError, WeightsMismatch, fuse_projections
 from .resolve import ALIASES, cached_sha256, resolve_model
 from .tokenizer import Tokenizer
 
@@ -44,7 +44,7 @@ class WeightsError(ValueError):
     message names the weight file(s) and the tensors."""
 
 
-def _weights_problem(e: ValueError) -> str:
+def _weights_problem(e: WeightsMismatch) -> str:
     """MLX's ``load_weights(strict=True)`` message (names one per line) as one line."""
     m = re.match(r"(Received|Missing) \d+ parameters(?: not in model)?: \n(.*)\.$", str(e), re.S)
     if m:
@@ -67,7 +67,7 @@ def _build(path: Path, config: dict, weights: dict, dtype: mx.Dtype):
         return build_model(config, weights, dtype)
     except ConfigError as e:
         raise ConfigError(f"{config_file}: {e}") from None
-    except ValueError as e:  # MLX's load_weights(strict=True), or a tensor nn.quantize cannot take
+    except WeightsMismatch as e:  # MLX's load_weights(strict=True), or a tensor nn.quantize cannot take
         if path.is_dir():
             files = weight_files(path)
             where = str(files[0]) if len(files) == 1 else f"{path} ({', '.join(f.name for f in files)})"

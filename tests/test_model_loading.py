@@ -197,6 +197,21 @@ def test_weight_with_wrong_shape(tmp_path, weights):
     one_line_error(e, d / "model.safetensors", name, "(64, 64)", "(32, 64)")
 
 
+def test_a_value_error_outside_the_weights_is_not_blamed_on_them(tmp_path, weights, monkeypatch):
+    """A ValueError from our own model code (here the family's ``sanitize``) is a bug: it propagates as it is,
+    with its traceback, instead of a one-line "weights do not fit" naming the weight file."""
+    from pipeline.models import llama
+
+    def broken(self, w):
+        raise ValueError("a bug in sanitize")
+
+    monkeypatch.setattr(llama.Model, "sanitize", broken)
+    d = make_dir(tmp_path / "m", weights)
+    with pytest.raises(ValueError, match="a bug in sanitize") as e:
+        load(d)
+    assert not isinstance(e.value, WeightsError)
+
+
 def test_missing_tokenizer_json(tmp_path, weights):
     d = make_dir(tmp_path / "m", weights)
     (d / "tokenizer.json").unlink()

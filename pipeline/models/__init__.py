@@ -10,7 +10,7 @@ from . import gemma3_text
 from . import llama
 from . import qwen2
 from . import qwen3
-from .base import ConfigError
+from .base import ConfigError, WeightsMismatch
 
 # HF model_type -> family module (each has ModelArgs and Model).
 FAMILIES = {"llama": llama, "mistral": llama, "qwen2": qwen2, "qwen3": qwen3, "gemma3_text": gemma3_text}
@@ -26,7 +26,7 @@ def build_model(config: dict, weights: dict[str, mx.array], dtype: mx.Dtype = mx
 
     Raises:
         ConfigError: unknown ``model_type`` or a config lacking required keys.
-        ValueError: weights that do not match the model (missing or unexpected names, wrong shapes).
+        WeightsMismatch: weights that do not match the model (missing or unexpected names, wrong shapes).
     """
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
@@ -48,9 +48,12 @@ def build_model(config: dict, weights: dict[str, mx.array], dtype: mx.Dtype = mx
         bits = w.shape[-1] * 32 // in_features
         return {"group_size": group_size, "bits": bits}
 
-    nn.quantize(model, class_predicate=quant_params)
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    model.load_weights(list(weights.items()), strict=True)
+    try:
+        nn.quantize(model, class_predicate=quant_params)
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise WeightsMismatch(str(e)) from e
     model.eval()
     mx.eval(model.parameters())
     return model

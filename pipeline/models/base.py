@@ -14,6 +14,11 @@ class ConfigError(ValueError):
     """A model config lacks a required key or has a wrong value."""
 
 
+class WeightsMismatch(ValueError):
+    """Weights that do not fit the model built from its config: MLX's ``load_weights(strict=True)`` or
+    ``nn.quantize`` refused them (missing, unexpected or wrongly shaped tensors); the text is MLX's."""
+
+
 @dataclasses.dataclass
 class BaseModelArgs:
     @classmethod
