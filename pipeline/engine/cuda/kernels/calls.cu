@@ -31,4 +31,4 @@ __shared__ __align__(16) T hs[K];
   pl_load_x_res<T, K, NT, 8, $clip, $write, true>(h, x, wpost, nw, $eps, xs, hs, red, $hout);
   pl_group_sums<T, K, NT, GS>(xs, sxs);
 //@ prefetch_kv
-  pl_prefetch_kv<T, $head_dim, $n_kv_heads, $window>(kc, vc, kc_shape, pos[0]);
+  pl_prefetch_kv<T, $head_dim, $n_kv_heads, $window>(kc, vc, kc_shape[2], pos[0]);

@@ -378,12 +378,12 @@ __device__ __forceinline__ void pl_prefetch_l2(const void* p, size_t n) {
 }
 
 // L2 prefetch, by the whole grid, of a layer's filled cache rows: each of the KVH kv heads' keys (kc) and values (vc),
-// rows 0 .. min(pos + 1, WIN) - 1 (WIN 0: a full cache, rows 0 .. pos) of D values; the caches (.., KVH, cap, D) with cap
-// = kc_shape[2]. Asked before the attention that reads them (LAYER_PREFETCH_KV, QKV_PREFETCH_KV).
+// rows 0 .. min(pos + 1, WIN) - 1 (WIN 0: a full cache, rows 0 .. pos) of D values; the caches (.., KVH, cap, D), cap
+// the caller's kc_shape[2] (MLX passes an input's shape as its own Shape type, not a pointer). Asked before the
+// attention that reads them (LAYER_PREFETCH_KV, QKV_PREFETCH_KV).
 template <typename T, int D, int KVH, int WIN>
-__device__ __forceinline__ void pl_prefetch_kv(const T* kc, const T* vc, const int* kc_shape, int pos) {
+__device__ __forceinline__ void pl_prefetch_kv(const T* kc, const T* vc, size_t cap, int pos) {
   const int len = WIN ? min(pos + 1, WIN) : pos + 1;
-  const size_t cap = kc_shape[2];
 #pragma unroll 1
   for (int k = 0; k < KVH; k++) {
     pl_prefetch_l2(kc + (size_t)k * cap * D, (size_t)len * D * sizeof(T));
