@@ -27,10 +27,10 @@ KINDS = [
     ("full", CacheSpec()),
     ("rotating", CacheSpec(max_kv_size=32)),
     # Compiled decode is not bitwise eager decode (MLX's fused CPU kernels round differently: logprobs differ
-    # by up to 8e-6 with a float cache, up to 3e-3 with 8-bit KV, where a flipped quantization level
-    # propagates). With prefix caching on, the default model's prompt below prefills in 32-token chunks and
-    # eager decoding meets a near-tie at token 8 (top-2 logprobs 0.0012 apart, under that difference), so the
-    # tokens part there; with one 60-token chunk they agree for all 200 steps. Hence caching off for q8.
+    # by up to 8e-6 with a float cache; with a quantized cache a flipped quantization level propagates: with
+    # 8-bit KV on the default model, median 1e-3, up to 0.05 over 200 steps). So with a quantized cache the
+    # tokens must agree up to a near-tie of eager's (``assert_same_up_to_a_near_tie``). With prefix caching
+    # on, the prompt below prefills in 32-token chunks and meets a near-tie at token 8; caching off for q8.
     ("q8", CacheSpec(kv_bits=8, kv_group_size=32, prefix_cache_gb=0)),
     ("q4", CacheSpec(kv_bits=4, kv_group_size=32)),
     ("rotating-q8", CacheSpec(max_kv_size=32, kv_bits=8, kv_group_size=32)),
@@ -56,11 +56,34 @@ def test_default_model_compiled_equals_eager(default_model_path, llamacpp_cases,
     lm = load_model(path=default_model_path)
     prompt = llamacpp_cases[5]["chat_ids"]  # 60 tokens: longer than the rotating window
     eager, compiled, engine = eager_and_compiled(
-        lm.model, lm.tokenizer.eos_token_ids, 8192, spec, prompt, STEPS)
+        lm.model, lm.tokenizer.eos_token_ids, 8192, spec, prompt, STEPS, logprobs=2)
     assert compiled.compiled and not eager.compiled
     assert len(compiled.token_ids) == STEPS
-    assert compiled.token_ids == eager.token_ids
+    if spec.kv_bits:
+        assert_same_up_to_a_near_tie(eager, compiled)
+    else:
+        assert compiled.token_ids == eager.token_ids
     assert engine.trace_count == 1
+
+
+# Largest logprob difference (nats) between compiled and eager decoding with a quantized KV cache, and the
+# top-2 gap of eager's under which their greedy tokens may part: measured on the default model with 8-bit KV
+# over 200 steps (mlx 0.32.4, 2-core x86_64, 2026-12-07): median 1e-3, largest 0.05; a decode step that
+# computes something else (a wrong position, cache row or layer) differs by far more than this within a few steps.
+QUANTIZED_TOLERANCE = 0.1
+
+
+def assert_same_up_to_a_near_tie(eager, compiled, tol: float = QUANTIZED_TOLERANCE) -> None:
+    """Greedy tokens agree until eager's top-2 logprobs are within ``tol`` of each other (there the compiled
+    step may take the runner-up); every logprob up to there agrees within ``tol``."""
+    part = next((i for i, (a, b) in enumerate(zip(eager.token_ids, compiled.token_ids)) if a != b), None)
+    n = len(eager.token_ids) if part is None else part
+    worst = max(abs(a - b) for a, b in zip(eager.logprobs[:n], compiled.logprobs[:n]))
+    assert worst < tol, (worst, n)
+    if part is not None:
+        top = eager.top_logprobs[part]
+        assert top[0] - top[1] < tol, (part, top[:2])
+        assert compiled.token_ids[part] == eager.top_token_ids[part][1], part
 
 
 @pytest.mark.parametrize("kind, spec", KINDS, ids=[k for k, _ in KINDS])
