@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine.cache import KVCache
-from .base import BaseModelArgs, SwiGLU, drop_unused, fuse_qkv, output_logits, project_qkv
+from .base import BaseModelArgs, SwiGLU, drop_unused, fuse_qkv, output_logits, roped_qkv
 from .rope import make_rope
 
 
@@ -59,12 +59,7 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         B, L, _ = x.shape
-        q, k, v = project_qkv(self, x)
-        q = q.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = k.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=cache.offset)
-        k = self.rope(k, offset=cache.offset)
+        q, k, v = roped_qkv(self, x, cache.offset)
         mask = cache.make_mask(L)
         k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine.cache import KVCache
-from .base import BaseModelArgs, SwiGLU, drop_unused, fuse_qkv, output_logits, project_qkv
+from .base import BaseModelArgs, SwiGLU, drop_unused, fuse_qkv, output_logits, roped_qkv
 from .rope import make_rope
 
 
@@ -70,14 +70,8 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         """``x`` ``(B, L, hidden)`` -> ``(B, L, hidden)``."""
         B, L, _ = x.shape
-        q, k, v = project_qkv(self, x)
-        q = q.reshape(B, L, self.n_heads, -1)
-        k = k.reshape(B, L, self.n_kv_heads, -1)
-        v = v.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rope(q.transpose(0, 2, 1, 3), offset=cache.offset)
-        k = self.rope(k.transpose(0, 2, 1, 3), offset=cache.offset)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        q, k, v = roped_qkv(self, x, cache.offset, *norms)
         mask = cache.make_mask(L)
         k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
