@@ -526,33 +526,58 @@ def test_model_blocker_names_the_reason():
 
 class _RecordingKernel:
     """Stands in for ``mx.fast.cuda_kernel`` on machines without CUDA: records each launch (name, grid,
-    threadgroup, input names and shapes) and returns zeros of the declared outputs."""
+    threadgroup, input names and shapes) and returns zeros of the declared outputs.
+
+    Each launch also records what MLX builds the kernel's full CUDA text from (tests/test_cuda_sources.py):
+    the kernel's ``source``, ``header`` and ``output_names``, and the call's ``input_dtypes``, ``input_ndims``,
+    ``template`` and ``output_dtypes``."""
 
     launches: list = []
     sources: list = []
 
     def __init__(self, name, input_names, output_names, source, header="", **_):
         self.name, self.input_names, self.source = name, input_names, source
+        self.output_names, self.header = output_names, header
         _RecordingKernel.sources.append(source)
 
-    def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
+    def __call__(self, inputs, grid, threadgroup, output_shapes, output_dtypes, template=None, **_):
         assert len(inputs) == len(self.input_names), self.name
         _RecordingKernel.launches.append({"name": self.name, "grid": grid, "threadgroup": threadgroup,
-                                          "inputs": dict(zip(self.input_names, (a.shape for a in inputs)))})
+                                          "inputs": dict(zip(self.input_names, (a.shape for a in inputs))),
+                                          "source": self.source, "header": self.header,
+                                          "input_names": list(self.input_names),
+                                          "input_dtypes": [a.dtype for a in inputs],
+                                          "input_ndims": [a.ndim for a in inputs],
+                                          "output_names": list(self.output_names),
+                                          "output_dtypes": list(output_dtypes), "template": list(template or [])})
         return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
 
 
-def recorded_step(monkeypatch, one_kernel_layers=False, **config):
+def recorded_step(monkeypatch, one_kernel_layers=False, prefill=True, make_caches=None, configure=None, model=None,
+                  **config):
     """One fused step of ``make_model(**config)`` (float32: a fast prefill on a CPU) after a 199-token prefill,
-    with ``_RecordingKernel`` standing in for ``mx.fast.cuda_kernel``: ``(model, decoder, caches, launches)``."""
+    with ``_RecordingKernel`` standing in for ``mx.fast.cuda_kernel``: ``(model, decoder, caches, launches)``.
+
+    ``prefill`` False: the caches (``make_caches()``, default the model's own) hold one position of zeros instead,
+    as quick in any dtype (a float16 prefill takes seconds on a CPU); the kernels' sources and the dtypes and ranks
+    of their inputs are the same. ``configure``: called with the decoder before the step. ``model``: the model to
+    step (already built), instead of ``make_model(**config)``."""
     import pipeline.engine.cuda as fused
 
-    model = make_model(**{"dtype": mx.float32, **config})
+    model = model if model is not None else make_model(**{"dtype": mx.float32, **config})
     monkeypatch.setattr(fused.mx.fast, "cuda_kernel", _RecordingKernel)
     _RecordingKernel.launches, _RecordingKernel.sources = [], []
     dec = decoder_for(model)
     dec.one_kernel_layers = one_kernel_layers
-    caches, _ = prefilled(model, list(range(1, 200)))
+    if configure is not None:
+        configure(dec)
+    if prefill:
+        caches, _ = prefilled(model, list(range(1, 200)), make_caches)
+    else:
+        caches = make_caches() if make_caches else model.make_cache()
+        kv = mx.zeros((1, dec.n_kv_heads, 1, dec.head_dim), dec.dtype)
+        for c in caches:
+            c.update_and_fetch(kv, kv)
     dec.prepare(caches, 210)
     logits = dec.step(mx.array([5], mx.uint32), mx.array([199], mx.int32), 199, caches)
     assert logits.shape == (1, model.args.vocab_size)
