@@ -78,10 +78,14 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 def float32_twin(model):
     """``model`` turned, in place, into its float32 twin: every float16/bfloat16 parameter (norm weights,
-    quantization scales and biases, dense weights) cast exactly to float32; packed quantized weights
-    unchanged. Pass a second copy of the model (same seed), not the one under test."""
+    quantization scales and biases, dense weights) cast exactly to float32, then quantized weights expanded to
+    float32 (``scale * q + bias``, the values a quantized matmul uses). Dense, because MLX CUDA 0.32.4's
+    float32 quantized matmul fails on group-128 prefills (``cuGraphAddKernelNode ... invalid argument`` for a
+    64-row prompt on an H100, 2026-12-07; float16 and single rows work). Pass a second copy of the model
+    (same seed), not the one under test."""
     model.update(tree_map(lambda a: a.astype(mx.float32) if a.dtype in (mx.float16, mx.bfloat16) else a,
                           model.parameters()))
+    dequantize_model(model, mx.float32)
     return model
 
 
