@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine.cache import KVCache, RotatingKVCache
-from .base import BaseModelArgs, ConfigError, output_logits
+from .base import BaseModelArgs, ConfigError, output_logits, roped_qkv
 from .rope import make_rope
 
 
@@ -81,7 +81,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         dim, self.n_heads, self.n_kv_heads = args.hidden_size, args.num_attention_heads, args.num_key_value_heads
-        head_dim = args.head_dim
+        self.head_dim = head_dim = args.head_dim
         self.scale = args.query_pre_attn_scalar**-0.5
         self.q_proj = nn.Linear(dim, self.n_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * head_dim, bias=False)
@@ -96,11 +96,7 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache: KVCache | RotatingKVCache) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q = self.rope(self.q_norm(q), offset=cache.offset)
-        k = self.rope(self.k_norm(k), offset=cache.offset)
+        q, k, v = roped_qkv(self, x, cache.offset, self.q_norm, self.k_norm)
         mask = cache.make_mask(L)
         k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
