@@ -79,12 +79,14 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
     timed_rows = timed["rows"]
     status["throughput_tps"] = timed["tokens_per_s"]
     try:
-        job = job_from_dict(manifest["info"]["job"])
-        rows, _ = read_rows(job.input)
+        recorded = manifest["info"]["job"]
     except (KeyError, TypeError):
         status["pending_error"] = "the manifest records no job (info.job)"
         return status
-    except (JobSpecError, InputError) as e:
+    try:
+        job = job_from_dict(recorded)
+        rows, _ = read_rows(job.input)
+    except (KeyError, JobSpecError, InputError) as e:
         status["pending_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         return status
 
