@@ -195,14 +195,16 @@ def gemv_forward(sgemm: int, sgemv: int) -> int | None:
         page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         page.write(bytes(code))
         address = ctypes.addressof(ctypes.c_char.from_buffer(page))
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc = ctypes.CDLL(None)
         libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         if libc.mprotect(address, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_EXEC) != 0:
             return None
     except (OSError, ValueError, AttributeError):
         return None
-    _CODE.append(page)
-    return address if _forward_matches(address, sgemm) else None
+    if not _forward_matches(address, sgemm):
+        return None
+    _CODE.append(page)  # bound as cblas_sgemm from here on: the page lives as long as the process
+    return address
 
 
 _SGEMM = ctypes.CFUNCTYPE(None, *[ctypes.c_int] * 6, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
