@@ -153,6 +153,10 @@ def _finalize(value):
     return value
 
 
+_NULL_PRINTED = "input.template printed a null value"
+_RAISED = "input.template failed: "
+
+
 def _template_env() -> ImmutableSandboxedEnvironment:
     # StrictUndefined: a name that is not a column is an error, never an empty string
     return ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
@@ -181,11 +185,27 @@ def _render_all(source: str, columns: dict[str, list], n: int) -> tuple[list[str
         except _NullPrinted:
             nulls = [c for c, v in values.items() if v is None]
             prompts.append(None)
-            errors.append(f"input.template printed a null value (null in this row: {', '.join(nulls)})")
+            errors.append(f"{_NULL_PRINTED} (null in this row: {', '.join(nulls)})")
         except Exception as e:  # noqa: BLE001 - the template runs on each row's data; any failure fails that row
             prompts.append(None)
-            errors.append(f"input.template failed: {type(e).__name__}: {e}")
+            errors.append(f"{_RAISED}{type(e).__name__}: {e}")
     return prompts, errors
+
+
+def _check_template_ran(errors: list[str | None], ids: list, used: list[bool]):
+    """Raise if the template raised on every row that uses it: then the template is at fault, not the data.
+
+    A printed null does not count (a column may be all null in a selection); rows with messages do not
+    use the template.
+
+    Raises:
+        InputError: naming the first row and its error.
+    """
+    tried = [(i, e) for i, e, u in zip(ids, errors, used) if u]
+    if tried and all(e is not None and not e.startswith(_NULL_PRINTED) for _, e in tried):
+        first, error = tried[0]
+        raise InputError(f"input.template raised on every row ({len(tried)}); row {first!r}: "
+                         f"{error.removeprefix(_RAISED)}")
 
 
 # --- reading -----------------------------------------------------------------------------------------
@@ -416,7 +436,9 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
 
     Raises:
         InputError: missing files or columns, wrong column types, a filter value of another type than
-            its column, null or duplicate ids among the selected rows, a hub dataset that cannot be loaded.
+            its column, null or duplicate ids among the selected rows, a hub dataset that cannot be loaded,
+            an ``input.template`` that raises on every selected row that uses it (one that raises on some
+            rows fails those rows).
     """
     limit = limit if limit is not None else spec.limit
     whole = spec.filter is not None or spec.shuffle_seed is not None  # selecting needs every row
@@ -443,14 +465,17 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
     n = sel.num_rows
     overrides = {name: sel.column(name).to_pylist() for name in override_columns(spec, sel.column_names)}
     errors = [None] * n
+    messages = sel.column(spec.messages_column).to_pylist() if spec.messages_column else [None] * n
     if spec.template is not None:
         columns = {c: sel.column(c).to_pylist() for c in template_columns(spec.template)}
         prompts, errors = _render_all(spec.template, columns, n)
+        # a row with messages never uses its template prompt, so a failed render does not fail it
+        errors = [None if m is not None else e for m, e in zip(messages, errors)]
+        _check_template_ran(errors, [all_ids[i] for i in picked], [m is None for m in messages])
     elif spec.prompt_column:
         prompts = sel.column(spec.prompt_column).to_pylist()
     else:
         prompts = [None] * n
-    messages = sel.column(spec.messages_column).to_pylist() if spec.messages_column else [None] * n
     scored = spec.choices_column or spec.continuation_column
     choices = sel.column(scored).to_pylist() if scored else [None] * n
     structured = sel.column(spec.structured_column).to_pylist() if spec.structured_column else [None] * n

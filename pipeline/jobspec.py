@@ -107,7 +107,8 @@ class InputSpec:
             non-null use it instead of ``prompt_column`` / ``template``.
         template: a jinja2 template building each row's prompt from its columns, e.g.
             ``"Question: {{ question }}\\nAnswer:"`` (sandboxed; a column it names must exist; a null value
-            it prints fails the row). The rendered text becomes the user turn of the chat template.
+            it prints fails the row, as does an error it raises, unless it raises on every row: then the job
+            stops before the model loads). The rendered text becomes the user turn of the chat template.
         filter: one condition or a list of conditions (all must hold) on input columns; a list after loading.
         shuffle_seed: reorder the rows by a hash of (seed, row id): the same seed gives the same order on
             every run and machine; None keeps the input order.

@@ -238,3 +238,35 @@ def test_template_failing_on_one_row_fails_only_that_row(tmp_path):
     got, _ = read_rows(spec(path=str(f), template="{{ question }} x{{ 12 // level }}"))
     assert got[0].prompt is None and got[0].error.startswith("input.template failed: ZeroDivisionError: ")
     assert [r.prompt for r in got[1:]] == ["What is 1 + 1? x12", "What is 2 + 2? x6"]
+
+
+def test_template_raising_on_every_row_is_a_job_error(tmp_path):
+    f = write_jsonl(tmp_path / "in.jsonl", questions(3))
+    with pytest.raises(InputError) as ei:
+        read_rows(spec(path=str(f), template="{{ question + level }}"))
+    assert str(ei.value).startswith("input.template raised on every row (3); row 0: TypeError: ")
+    assert "\n" not in str(ei.value)
+
+
+def test_template_printing_null_on_every_row_fails_rows_not_the_job(tmp_path):
+    rows = questions(2)
+    for r in rows:
+        r["lang"] = None
+    f = write_jsonl(tmp_path / "in.jsonl", rows)
+    got, _ = read_rows(spec(path=str(f), template="{{ question }} {{ lang }}"))
+    assert [r.error for r in got] == ["input.template printed a null value (null in this row: lang)"] * 2
+
+
+def test_rows_with_messages_do_not_use_the_template(tmp_path):
+    rows = questions(3)
+    for r in rows:
+        r["question"] = None
+        r["msgs"] = [{"role": "user", "content": "hi"}]
+    rows[2]["question"], rows[2]["msgs"] = "What?", None
+    f = write_jsonl(tmp_path / "in.jsonl", rows)
+    got, _ = read_rows(spec(path=str(f), template="{{ question }}", messages_column="msgs"))
+    assert [r.error for r in got] == [None, None, None]
+    assert got[2].prompt == "What?" and got[0].messages == [{"role": "user", "content": "hi"}]
+    # the template raises on rows that use messages, and on no row that uses it: not a job error
+    got, _ = read_rows(spec(path=str(f), template="{{ question.upper() }}", messages_column="msgs"))
+    assert [r.error for r in got] == [None, None, None] and got[2].prompt == "WHAT?"
