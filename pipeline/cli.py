@@ -89,7 +89,7 @@ def main():
 
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
-@click.option("--output-dir", help="Write here instead of the job's output.dir.")
+@click.option("--output-dir", help="Write here instead of the job's output.dir (a non-empty path).")
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N input rows.")
 @click.option("--force", is_flag=True,
               help="Resume even if the job's settings or model changed, adding rows made with the new settings "
@@ -120,6 +120,8 @@ def run(job_file, output_dir, limit, force, no_progress, retry_failed, redo_corr
     from .run import GenerationError, run_job
 
     try:
+        if output_dir is not None and not output_dir.strip():  # else '' would fall back to output.dir
+            raise JobSpecError(f"--output-dir must be a non-empty path, got {output_dir!r}")
         job = load_job(job_file)
         if ray_address is not None:
             job = dataclasses.replace(job, executor="ray", ray=dataclasses.replace(job.ray, address=ray_address))

@@ -17,15 +17,24 @@ from pathlib import Path
 
 import jinja2
 import yaml
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .engine.params import GenerateParams
 from .engine.structured import StructuredOutputsParams
 from .errors import JobSpecError
 from .resolve import DEFAULT_MODEL
 
-# max_tokens, min_tokens and top_k reach the device as int32 scalars (engine.sampler.sampler_consts)
+# max_tokens, min_tokens and top_k reach the device as int32 scalars (engine.sampler.sampler_consts), as do
+# sizes and positions of the KV cache (cache.max_kv_size, cache.quantized_kv_start: engine.cache compares
+# offsets with them on the device); engine.batch_size and engine.prefill_step_size get the same bound
 INT32_LIMIT = 2**31
+# generation.n: samples per input row. Every sample is planned (one (row, sample index) entry, about 170 bytes
+# in `pipeline validate`) before anything runs, so an absurd n exhausts memory instead of failing; 2**16 is
+# far above repeated-sampling studies (10,000 samples a problem) and plans one row in about 11 MB.
+MAX_N = 2**16
+# Memory sizes in gigabytes (cache.prefix_cache_gb, engine.max_kv_memory_gb) become byte counts
+# (int(gb * 10**9)); 10**6 GB (a petabyte) is far above any device's memory, catches a size given in bytes by
+# mistake, and keeps the byte count finite and within int64.
+MAX_MEMORY_GB = 10**6
 
 
 class _Problems(list):
@@ -159,7 +168,8 @@ class InputSpec:
             self.filter = [self.filter]
 
     def check(self):
-        """Raises: JobSpecError: every value out of range."""
+        """Raises: JobSpecError: every value out of range; a ``template`` that does not compile (a syntax
+        error, an unknown filter or test)."""
         bad = _Problems()
         if self.path is None and self.dataset is None:
             bad.append("input: set path (a file, directory or glob) or dataset")
@@ -172,9 +182,11 @@ class InputSpec:
         if self.shuffle_seed is not None and not 0 <= self.shuffle_seed < 2**63:
             bad.append(f"input.shuffle_seed must be in [0, 2**63), got {self.shuffle_seed}")
         if self.template is not None:
-            try:
-                ImmutableSandboxedEnvironment().parse(self.template)
-            except jinja2.TemplateSyntaxError as e:
+            from .inputs import _template_env  # the environment rows are rendered with (inputs imports this module)
+
+            try:  # compiling, not only parsing: an unknown filter or test is found here
+                _template_env().from_string(self.template)
+            except jinja2.TemplateSyntaxError as e:  # TemplateAssertionError (unknown filter, test) included
                 bad.append(f"input.template does not compile: {e.message} (line {e.lineno})")
         if self.truncate not in ("error", "left", "right"):
             bad.append(f"input.truncate must be error, left or right, got {self.truncate!r}")
@@ -193,7 +205,10 @@ class GenerationSpec(GenerateParams):
     gets its own derived seed (``engine.sampler.row_seed``).
 
     Attributes:
-        n: samples per input row (output rows with ``sample_index`` 0..n-1).
+        n: samples per input row (output rows with ``sample_index`` 0..n-1), in [1, ``MAX_N``] (65536):
+            every sample of every row is planned in memory before the run (and by ``pipeline validate``),
+            so the cap turns a mistyped n into an error instead of an out-of-memory kill, far above any
+            repeated-sampling use; an input column ``n`` over it fails its row.
 
     In a job file ``stop`` may be one string; ``stop`` and ``stop_token_ids`` are lists there (tuples
     here). Ranges: ``check``.
@@ -235,6 +250,8 @@ class GenerationSpec(GenerateParams):
             bad("min_tokens", f">= 0 and <= max_tokens ({self.max_tokens})", self.min_tokens)
         if self.n < 1:
             bad("n", ">= 1", self.n)
+        elif self.n > MAX_N:
+            bad("n", f"<= {MAX_N} (samples per row)", self.n)
         if not (finite(self.temperature) and self.temperature >= 0):
             bad("temperature", "a finite number >= 0", self.temperature)
         if not 0 < self.top_p <= 1:
@@ -327,7 +344,7 @@ class EngineSpec:
         dequantize: expand quantized weights to ``dtype`` at load: true, false, or "auto" (on the CPU
             with OpenBLAS when the expanded weights fit in 4 GiB; on a GPU for ``batch_size`` > 1 when
             they take at most a quarter of its memory; ``pipeline.loader.should_dequantize``).
-        prefill_step_size: prompt tokens per prefill chunk.
+        prefill_step_size: prompt tokens per prefill chunk, in [1, 2**31).
         compile: run decode steps through the compiled closure set: true, false (eager), or "auto"
             (compiled, except on the CUDA backend with only full caches, where eager decode measured
             faster; ``pipeline.engine.step.compile_by_default``).
@@ -340,10 +357,11 @@ class EngineSpec:
             largest batch whose KV buffers fit (``engine.batch.check_kv_memory``'s limit) for the job's
             longest prompt + max_tokens, at most ``run.local.AUTO_BATCH_GPU`` (256) on a GPU and
             ``run.local.AUTO_BATCH_CPU`` (8) on the CPU (``run.local.auto_batch_size``); the fingerprint holds
-            "auto", the run record the size it resolved to.
+            "auto", the run record the size it resolved to. An integer is in [1, 2**31).
         max_kv_memory_gb: refuse to start a batched job whose KV buffers (batch_size x capacity
-            positions) would exceed this many gigabytes (10**9 bytes); None: the device's memory
-            (``pipeline.engine.batch.memory_limit``) is the only limit. Not part of the job fingerprint.
+            positions) would exceed this many gigabytes (10**9 bytes), in (0, ``MAX_MEMORY_GB``] (10**6);
+            None: the device's memory (``pipeline.engine.batch.memory_limit``) is the only limit. Not part
+            of the job fingerprint.
     """
 
     dtype: str = "auto"
@@ -355,7 +373,7 @@ class EngineSpec:
     max_kv_memory_gb: float | None = None
 
     def check(self):
-        """Raises: JobSpecError: every value out of range."""
+        """Raises: JobSpecError: every value out of range (a non-finite ``max_kv_memory_gb`` included)."""
         bad = _Problems()
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             bad.append(f"engine.dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
@@ -367,10 +385,14 @@ class EngineSpec:
             bad.append(f"engine.fused must be true, false or auto, got {self.fused!r}")
         if self.prefill_step_size < 1:
             bad.append(f"engine.prefill_step_size must be >= 1, got {self.prefill_step_size}")
+        elif self.prefill_step_size >= INT32_LIMIT:
+            bad.append(f"engine.prefill_step_size must be < 2**31, got {self.prefill_step_size}")
         if self.batch_size != "auto" and not (isinstance(self.batch_size, int) and self.batch_size >= 1):
             bad.append(f"engine.batch_size must be an integer >= 1 or auto, got {self.batch_size!r}")
-        if self.max_kv_memory_gb is not None and not self.max_kv_memory_gb > 0:
-            bad.append(f"engine.max_kv_memory_gb must be > 0, got {self.max_kv_memory_gb}")
+        elif isinstance(self.batch_size, int) and self.batch_size >= INT32_LIMIT:
+            bad.append(f"engine.batch_size must be < 2**31, got {self.batch_size}")
+        if self.max_kv_memory_gb is not None and not 0 < self.max_kv_memory_gb <= MAX_MEMORY_GB:
+            bad.append(f"engine.max_kv_memory_gb must be > 0 and <= {MAX_MEMORY_GB} (GB), got {self.max_kv_memory_gb}")
         bad.raise_any()
 
 
@@ -381,13 +403,15 @@ class CacheSpec:
 
     Attributes:
         max_kv_size: keep at most this many positions per layer (full-attention layers become sliding
-            windows of this size; sliding layers keep the smaller of their window and this); None: no
-            bound.
+            windows of this size; sliding layers keep the smaller of their window and this), in [1, 2**31)
+            (positions reach the device as int32); None: no bound.
         kv_bits: store keys and values quantized to 4 or 8 bits; None: unquantized.
         kv_group_size: elements per quantization group along head_dim: 32, 64 or 128 (must divide the
             model's head_dim).
-        quantized_kv_start: positions kept unquantized before the cache switches to quantized storage.
-        prefix_cache_gb: memory (10**9 bytes, on the model's device) for the KV of prompt blocks kept
+        quantized_kv_start: positions kept unquantized before the cache switches to quantized storage, in
+            [0, 2**31) (compared with int32 offsets on the device).
+        prefix_cache_gb: memory (10**9 bytes, on the model's device; in [0, ``MAX_MEMORY_GB``], 10**6) for
+            the KV of prompt blocks kept
             across rows, so prompts sharing a prefix reuse it (``pipeline.engine.prefix``); least recently
             used blocks are evicted; 0 turns prefix caching off (prompts prefilled in chunks of
             ``engine.prefill_step_size``). Default 1: about 21,700 positions of the default model's float32
@@ -411,14 +435,19 @@ class CacheSpec:
         bad = _Problems()
         if self.max_kv_size is not None and self.max_kv_size < 1:
             bad.append(f"cache.max_kv_size must be >= 1, got {self.max_kv_size}")
+        elif self.max_kv_size is not None and self.max_kv_size >= INT32_LIMIT:
+            bad.append(f"cache.max_kv_size must be < 2**31, got {self.max_kv_size}")
         if self.kv_bits is not None and self.kv_bits not in (4, 8):
             bad.append(f"cache.kv_bits must be 4 or 8, got {self.kv_bits}")
         if self.kv_group_size not in (32, 64, 128):
             bad.append(f"cache.kv_group_size must be 32, 64 or 128, got {self.kv_group_size}")
         if self.quantized_kv_start < 0:
             bad.append(f"cache.quantized_kv_start must be >= 0, got {self.quantized_kv_start}")
-        if not 0 <= self.prefix_cache_gb < float("inf"):
-            bad.append(f"cache.prefix_cache_gb must be a number >= 0, got {self.prefix_cache_gb}")
+        elif self.quantized_kv_start >= INT32_LIMIT:
+            bad.append(f"cache.quantized_kv_start must be < 2**31, got {self.quantized_kv_start}")
+        if not 0 <= self.prefix_cache_gb <= MAX_MEMORY_GB:
+            bad.append(f"cache.prefix_cache_gb must be a number >= 0 and <= {MAX_MEMORY_GB} (GB), "
+                       f"got {self.prefix_cache_gb}")
         if not 1 <= self.prefix_block_size <= 4096:
             bad.append(f"cache.prefix_block_size must be in [1, 4096], got {self.prefix_block_size}")
         bad.raise_any()
@@ -430,7 +459,8 @@ class OutputSpec:
 
     Attributes:
         dir: output directory (shards ``part-NNNNN.parquet``, or ``unit-NNNNN.parquet`` with
-            ``executor: ray``, and ``manifest.json``).
+            ``executor: ray``, and ``manifest.json``); not empty (nor only blanks): "." names the working
+            directory.
         shard_size: rows per shard.
         flush_seconds: commit the rows finished so far after this many seconds even if the shard is not
             full, so a crash loses at most this much work.
@@ -443,6 +473,8 @@ class OutputSpec:
     def check(self):
         """Raises: JobSpecError: every value out of range."""
         bad = _Problems()
+        if self.dir is not None and not self.dir.strip():  # None: missing, reported by _build
+            bad.append(f"output.dir must be a non-empty path, got {self.dir!r}")
         if self.shard_size < 1:
             bad.append(f"output.shard_size must be >= 1, got {self.shard_size}")
         if not 0 < self.flush_seconds < float("inf"):
@@ -669,18 +701,80 @@ def job_from_dict(data: dict) -> JobSpec:
     return _build(JobSpec, data, "")
 
 
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A mapping of the job file holds a key twice (plain YAML keeps the last silently).
+
+    Attributes:
+        key: the key's path, e.g. ``generation.max_tokens`` (``input.filter[0].column`` inside a list).
+        line, first_line: the 1-based lines of the repeated key and of its first occurrence.
+    """
+
+    def __init__(self, key: str, line: int, first_line: int):
+        super().__init__(problem=f"duplicate key {key!r}")
+        self.key, self.line, self.first_line = key, line, first_line
+
+    def __str__(self):
+        return f"duplicate key {self.key!r} (line {self.line}; first at line {self.first_line})"
+
+
+class _JobLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (``DuplicateKeyError``, naming its path).
+
+    Keys are compared as constructed values (``1`` and ``0x1`` are one key); the keys a merge (``<<: *a``)
+    brings in may be overridden by the mapping's own, as YAML defines. The constructor builds mappings
+    parent first, so each node's path is known (``_paths``) before its own keys are checked."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._paths: dict[int, str] = {}
+
+    def _path(self, node) -> str:
+        return self._paths.get(id(node), "")
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            where, seen = self._path(node), {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: the base constructor reports it
+                    continue
+                path = f"{where}.{key}" if where else str(key)
+                if first is not key_node:
+                    raise DuplicateKeyError(path, key_node.start_mark.line + 1, first.start_mark.line + 1)
+                self._paths.setdefault(id(value_node), path)
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_sequence(self, node, deep=False):
+        if isinstance(node, yaml.SequenceNode):
+            where = self._path(node) or "job"
+            for i, item in enumerate(node.value):
+                self._paths.setdefault(id(item), f"{where}[{i}]")
+        return super().construct_sequence(node, deep=deep)
+
+
 def load_job(path: str | Path) -> JobSpec:
-    """Read and validate a YAML job file.
+    """Read and validate a YAML job file (UTF-8 text; a key repeated in one mapping is an error).
 
     Raises:
-        JobSpecError: unreadable file, invalid YAML, or an invalid job: one problem per line, each
-            starting with the file's path and naming the key.
+        JobSpecError: unreadable file, not UTF-8, invalid YAML, a duplicate key, or an invalid job: one
+            problem per line, each starting with the file's path and naming the key.
     """
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = path.read_bytes()
+        data = yaml.load(raw.decode("utf-8"), Loader=_JobLoader)  # noqa: S506 - a SafeLoader
     except OSError as e:
         raise JobSpecError(f"cannot read job file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        bom = "; it starts with a UTF-16 byte order mark" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise JobSpecError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}){bom}; "
+                           "save it as UTF-8") from None
+    except DuplicateKeyError as e:
+        raise JobSpecError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -396,3 +396,129 @@ def test_readme_job_reference_shows_every_key_with_its_default():
     assert not problems, "\n".join(problems)
     assert documented["input"]["truncate"] == "error"
     assert any("right drops its last" in line for line in lines)  # every allowed value explained
+
+
+# --- upper bounds, template compilation, the job file's bytes and keys, empty output dir ---------------
+
+
+@pytest.mark.parametrize("data, message", [
+    (minimal(generation={"n": 2**40}), "generation.n must be <= 65536 (samples per row), got 1099511627776"),
+    (minimal(generation={"n": 65537}), "generation.n must be <= 65536 (samples per row), got 65537"),
+    (minimal(cache={"prefix_cache_gb": 1e300}),
+     "cache.prefix_cache_gb must be a number >= 0 and <= 1000000 (GB), got 1e+300"),
+    (minimal(cache={"prefix_cache_gb": float("inf")}),
+     "cache.prefix_cache_gb must be a number >= 0 and <= 1000000 (GB), got inf"),
+    (minimal(cache={"prefix_cache_gb": float("nan")}),
+     "cache.prefix_cache_gb must be a number >= 0 and <= 1000000 (GB), got nan"),
+    (minimal(engine={"max_kv_memory_gb": float("inf")}),
+     "engine.max_kv_memory_gb must be > 0 and <= 1000000 (GB), got inf"),
+    (minimal(engine={"max_kv_memory_gb": 1e300}),
+     "engine.max_kv_memory_gb must be > 0 and <= 1000000 (GB), got 1e+300"),
+    (minimal(engine={"max_kv_memory_gb": float("nan")}),
+     "engine.max_kv_memory_gb must be > 0 and <= 1000000 (GB), got nan"),
+    (minimal(cache={"max_kv_size": 99999999999}), "cache.max_kv_size must be < 2**31, got 99999999999"),
+    (minimal(cache={"max_kv_size": 2**31}), "cache.max_kv_size must be < 2**31, got 2147483648"),
+    (minimal(cache={"quantized_kv_start": 2**31, "kv_bits": 8}),
+     "cache.quantized_kv_start must be < 2**31, got 2147483648"),
+    (minimal(engine={"prefill_step_size": 2**31}), "engine.prefill_step_size must be < 2**31, got 2147483648"),
+    (minimal(engine={"batch_size": 2**31}), "engine.batch_size must be < 2**31, got 2147483648"),
+    (minimal(output={"dir": ""}), "output.dir must be a non-empty path, got ''"),
+    (minimal(output={"dir": "  "}), "output.dir must be a non-empty path, got '  '"),
+])
+def test_values_past_their_upper_bound_are_one_line_naming_the_key(data, message):
+    with pytest.raises(JobSpecError) as e:
+        job_from_dict(data)
+    assert str(e.value) == message
+
+
+def test_values_at_their_upper_bound_are_accepted():
+    job = job_from_dict(minimal(generation={"n": 65536}, cache={"max_kv_size": 2**31 - 1, "prefix_cache_gb": 1e6,
+                                                               "quantized_kv_start": 2**31 - 1},
+                                engine={"max_kv_memory_gb": 1e6, "prefill_step_size": 2**31 - 1,
+                                        "batch_size": 2**31 - 1}))
+    assert (job.generation.n, job.cache.max_kv_size, job.engine.batch_size) == (65536, 2**31 - 1, 2**31 - 1)
+    assert job_from_dict(minimal(output={"dir": "."})).output.dir == "."
+
+
+def test_an_n_override_column_past_the_cap_fails_its_row_only(tmp_path):
+    """An input column ``n`` over the cap is a failed row (one planned sample, the error naming the
+    column), as other out-of-range override values are; the other rows keep their n."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.inputs import read_rows
+    from pipeline.jobspec import with_overrides
+    from pipeline.run.plan import plan_samples, row_generation
+
+    with pytest.raises(JobSpecError) as e:
+        with_overrides(GenerationSpec(), {"n": 2**40})
+    assert str(e.value) == "input column 'n' must be <= 65536 (samples per row), got 1099511627776"
+
+    pq.write_table(pa.table({"id": [1, 2, 3], "prompt": ["a", "b", "c"],
+                             "n": pa.array([None, 2**40, 3], pa.int64())}), tmp_path / "in.parquet")
+    job = job_from_dict({"input": {"path": str(tmp_path / "in.parquet"), "id_column": "id"},
+                         "output": {"dir": str(tmp_path / "out")}, "generation": {"n": 2}})
+    rows, _ = read_rows(job.input)
+    assert row_generation(job, rows[1]) == "input column 'n' must be <= 65536 (samples per row), got 1099511627776"
+    assert [(r.id, k) for r, k, _ in plan_samples(job, rows)] == [(1, 0), (1, 1), (2, 0), (3, 0), (3, 1), (3, 2)]
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ q | nosuchfilter }}", "input.template does not compile: No filter named 'nosuchfilter'. (line 1)"),
+    ("Q: {{ prompt }}\n{{ prompt is nosuchtest }}",
+     "input.template does not compile: No test named 'nosuchtest'. (line 2)"),
+    ("{{ prompt", "input.template does not compile: unexpected end of template, expected 'end of print "
+                  "statement'. (line 1)"),
+])
+def test_a_template_that_does_not_compile_is_one_line(template, message):
+    with pytest.raises(JobSpecError) as e:
+        job_from_dict(minimal(input={"path": "x", "template": template}))
+    assert str(e.value) == message
+    assert job_from_dict(minimal(input={"path": "x", "template": "{{ prompt | upper }}"})).input.template
+
+
+@pytest.mark.parametrize("data, message", [
+    ("input:\n  path: a.parquet\noutput:\n  dir: out\ngeneration:\n  stop: caf\xe9\n".encode("latin-1"),
+     "not UTF-8 text (byte 0xe9 at offset 67); save it as UTF-8"),
+    ("input:\n  path: a.parquet\noutput:\n  dir: out\n".encode("utf-16"),
+     "not UTF-8 text (byte 0xff at offset 0); it starts with a UTF-16 byte order mark; save it as UTF-8"),
+])
+def test_load_job_not_utf8_is_one_line(tmp_path, data, message):
+    f = tmp_path / "job.yaml"
+    f.write_bytes(data)
+    with pytest.raises(JobSpecError) as e:
+        load_job(f)
+    assert str(e.value) == f"{f}: {message}"
+
+
+def test_load_job_accepts_a_utf8_byte_order_mark(tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_bytes("\ufeffinput:\n  path: a.parquet\noutput:\n  dir: out\ngeneration:\n  stop: café\n".encode())
+    assert load_job(f).generation.stop == ("café",)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("input:\n  path: a.parquet\noutput:\n  dir: out\ngeneration:\n  max_tokens: 4\n  max_tokens: 400\n",
+     "duplicate key 'generation.max_tokens' (line 7; first at line 6)"),
+    ("generation:\n  max_tokens: 4\ninput:\n  path: a.parquet\noutput:\n  dir: out\ngeneration:\n  seed: 3\n",
+     "duplicate key 'generation' (line 7; first at line 1)"),
+    ("input:\n  path: a.parquet\n  filter:\n    - column: a\n      equals: 1\n      column: b\noutput:\n  dir: out\n",
+     "duplicate key 'input.filter[0].column' (line 6; first at line 4)"),
+    ("input: {path: a.parquet, 'path': b.parquet}\noutput:\n  dir: out\n",
+     "duplicate key 'input.path' (line 1; first at line 1)"),
+])
+def test_load_job_duplicate_key_names_its_path(tmp_path, text, message):
+    f = tmp_path / "job.yaml"
+    f.write_text(text, encoding="utf-8")
+    with pytest.raises(JobSpecError) as e:
+        load_job(f)
+    assert str(e.value) == f"{f}: {message}"
+
+
+def test_load_job_merge_keys_may_be_overridden(tmp_path):
+    """YAML merge keys are not duplicates: the mapping's own key wins over the merged one."""
+    f = tmp_path / "job.yaml"
+    f.write_text("input:\n  path: a.parquet\noutput:\n  dir: out\n"
+                 "generation:\n  <<: {max_tokens: 4, seed: 1}\n  max_tokens: 9\n", encoding="utf-8")
+    gen = load_job(f).generation
+    assert (gen.max_tokens, gen.seed) == (9, 1)
