@@ -265,7 +265,8 @@ def status(out_dir, as_json, verify):
 @main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--to", "to", required=True, metavar="PATH",
-              help="results.parquet, results.jsonl, or a directory (datasets' save_to_disk; load_from_disk reads it).")
+              help="results.parquet, results.jsonl, or a directory (datasets' save_to_disk; load_from_disk reads it); "
+                   "a name that is only a suffix (.parquet) is refused, a hidden directory ends with / (.data/).")
 @click.option("--join-input", is_flag=True, help="Add the input's columns (joined by id).")
 @click.option("--overwrite", is_flag=True, help="Replace PATH if it exists.")
 @click.option("--pivot", is_flag=True,
@@ -275,13 +276,23 @@ def status(out_dir, as_json, verify):
               help="Parse each completion as a JSON object into columns (every key met, and the job's schema "
                    "fields), plus json_error; rows that do not parse keep null fields.")
 def export(out_dir, to, join_input, overwrite, pivot, json_fields):
-    """Merge the committed rows of OUT_DIR into one file or dataset directory, in input order."""
+    """Merge the committed rows of OUT_DIR into one file or dataset directory, in input order.
+
+    It is written under a temporary name beside PATH and renamed, so a failed export leaves nothing there.
+
+    Exit status: 2 for a bad command line (unknown format, PATH exists or lies in OUT_DIR, --pivot of a
+    generate output, ...), a PATH that cannot be written (a parent that is a file, a read-only file system)
+    or a problem with OUT_DIR or its input; 1 when no space is left at PATH.
+    """
     from .export import ExportError, export_results
 
     try:
         summary = export_results(out_dir, to, join_input=join_input, overwrite=overwrite,
                                  warn=lambda line: click.echo(line, err=True), pivot=pivot, json_fields=json_fields)
-    except (ExportError, *USER_ERRORS) as e:
+    except ExportError as e:  # the command line or its destination: exit 2 (1 when no space was left)
+        _print_error(e)
+        sys.exit(e.exit_code)
+    except USER_ERRORS as e:
         _fail(e)
     click.echo(summary.line())
 
@@ -292,12 +303,19 @@ def export(out_dir, to, join_input, overwrite, pivot, json_fields):
               help="HTML file to write [default: OUT_DIR/report/report.html].")
 def report(out_dir, out):
     """Write an HTML report of OUT_DIR with PNG charts: decode tok/s over the run, TTFT vs prompt length,
-    completion lengths, finish reasons, failed rows, fingerprint and summary numbers."""
+    completion lengths, finish reasons, failed rows, fingerprint and summary numbers.
+
+    Exit status: 2 for a bad command line (a task: score OUT_DIR, an --out that cannot be written: a parent
+    that is a file, a read-only file system) or a damaged OUT_DIR; 1 when matplotlib is missing or no space
+    is left."""
     from .report import ReportError, write_report
 
     try:
         page = write_report(out_dir, out)
-    except (ReportError, *USER_ERRORS) as e:
+    except ReportError as e:  # exit 2 for the command line or --out, 1 for a missing matplotlib or no space left
+        _print_error(e)
+        sys.exit(e.exit_code)
+    except USER_ERRORS as e:
         _fail(e)
     click.echo(f"wrote {page}")
 

@@ -4,6 +4,7 @@ fields of JSON completions as columns (``--json-fields``)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -24,7 +25,35 @@ _JSON_DECIMALS = 15  # pandas' most; floats in JSON Lines keep 15 decimal places
 
 
 class ExportError(RuntimeError):
-    """The export cannot be written (unknown format, destination exists or is inside OUT_DIR)."""
+    """The export cannot be made as asked: an unknown format, a destination that exists, lies inside OUT_DIR or
+    cannot be written (its parent is a file, a read-only or special file system: ``--to`` and the OS's reason),
+    ``--pivot`` of an output that is not ``task: score``'s, nothing committed. A bad command line: the CLI exits
+    with ``exit_code``, 2, except where the destination has no space left (1, as for ``pipeline run``).
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def destination_error(option: str, path: str | Path, e: OSError, cls: type = ExportError) -> Exception:
+    """``e``, raised while writing the destination ``path`` given as ``option`` (``--to``, ``--out``), as a
+    ``cls`` (``ExportError``, or ``report.ReportError``) of one line naming the option, the path and the OS's
+    reason: "--to a/x.parquet: cannot write it: a is a file, not a directory" or "...: Read-only file system".
+    No space left (ENOSPC, EDQUOT) gets ``exit_code`` 1, any other reason 2."""
+    path = Path(path)
+    if e.errno:
+        reason = os.strerror(e.errno)  # pyarrow's OSError has no strerror and a long text; the errno says it
+    else:
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+    if isinstance(e, (FileExistsError, NotADirectoryError)) or e.errno in (errno.EEXIST, errno.ENOTDIR):
+        blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+        if blocker is not None:
+            reason = f"{blocker} is a file, not a directory"
+    space = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return cls(f"{option} {path}: cannot write it: {reason}", exit_code=1 if space else 2)
 
 
 @dataclass
@@ -86,12 +115,20 @@ def export_format(to: str) -> str:
     """"parquet" (``.parquet``), "jsonl" (``.jsonl``) or "hf-dir" (no suffix, a trailing ``/``, or an
     existing directory).
 
+    A last name that is only a suffix (``.parquet``, ``out/.jsonl``, ``.csv``: a dot, then no other dot) names
+    no file: it is refused, not written as a hidden directory of that name (a hidden dataset directory is
+    written with a trailing ``/``, ``--to .data/``).
+
     Raises:
-        ExportError: any other suffix.
+        ExportError: any other suffix, or a name that is only a suffix.
     """
     p = Path(to)
     if to.endswith(("/", os.sep)) or p.is_dir():
         return "hf-dir"
+    if p.name.startswith(".") and "." not in p.name[1:]:
+        example = f"results{p.name}" if p.name in (".parquet", ".jsonl") else "results.parquet"
+        raise ExportError(f"--to {to}: {p.name!r} is only a suffix, not a file name; name the file (e.g. "
+                          f"{example}), or end a directory's name with / (--to {to}/)")
     if p.suffix == ".parquet":
         return "parquet"
     if p.suffix == ".jsonl":
@@ -154,15 +191,51 @@ def _is_saved_dataset(path: Path) -> bool:
 
 
 def _check_destination(out_dir: Path, to: Path, fmt: str, overwrite: bool) -> None:
-    if to.resolve() == out_dir.resolve() or out_dir.resolve() in to.resolve().parents:
-        raise ExportError(f"--to {to}: inside the output dir {out_dir} (its readers would see the export as "
-                          "results); write it elsewhere")
-    if not (to.exists() or to.is_symlink()):
-        return
-    if not overwrite:
-        raise ExportError(f"--to {to}: exists; pass --overwrite to replace it")
-    if to.is_dir() and not (fmt == "hf-dir" and (_is_saved_dataset(to) or not any(to.iterdir()))):
-        raise ExportError(f"--to {to}: a directory that is not a saved dataset; not replacing it")
+    try:
+        if to.resolve() == out_dir.resolve() or out_dir.resolve() in to.resolve().parents:
+            raise ExportError(f"--to {to}: inside the output dir {out_dir} (its readers would see the export as "
+                              "results); write it elsewhere")
+        blocker = next((a for a in to.parents if a.exists() and not a.is_dir()), None)
+        if blocker is not None:
+            raise ExportError(f"--to {to}: cannot write it: {blocker} is a file, not a directory")
+        if not (to.exists() or to.is_symlink()):
+            return
+        if not overwrite:
+            raise ExportError(f"--to {to}: exists; pass --overwrite to replace it")
+        if to.is_dir() and not (fmt == "hf-dir" and (_is_saved_dataset(to) or not any(to.iterdir()))):
+            raise ExportError(f"--to {to}: a directory that is not a saved dataset; not replacing it")
+        if fmt == "hf-dir" and not to.is_dir():
+            raise ExportError(f"--to {to}: a file, not a directory; not replacing it with a dataset directory")
+    except OSError as e:
+        raise destination_error("--to", to, e) from None
+
+
+def _write_beside(table: pa.Table, fmt: str, dest: Path) -> None:
+    """Write ``table`` to a temporary name in ``dest``'s directory, then rename it to ``dest`` (a directory
+    replaced only once the new one is complete), so a failed write leaves nothing at ``dest`` and no temporary
+    file behind.
+
+    Raises:
+        ExportError: the destination cannot be written (``destination_error``: its directory cannot be made,
+            a read-only or special file system, no space left); nothing was written.
+    """
+    tmp = dest.parent / f".{dest.name[:100]}.export-{os.getpid()}.tmp"
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _write(table, fmt, tmp)
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except OSError as e:
+        raise destination_error("--to", dest, e) from None
+    finally:
+        try:
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # it could not be made either (a parent that is a file, a read-only file system)
 
 
 def pivot_choices(table: pa.Table) -> pa.Table:
@@ -286,8 +359,10 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
     Raises:
         OutputError: ``out_dir`` has no manifest, or a committed shard is missing or damaged (its bytes do
             not match the manifest's size or sha256): nothing is written.
-        ExportError: nothing committed, unknown format, destination exists or lies inside ``out_dir``;
-            ``pivot`` of an output that is not ``task: score``'s; ``json_fields`` with ``pivot``.
+        ExportError: nothing committed, unknown format, destination exists or lies inside ``out_dir``, or
+            cannot be written (a parent that is a file, a read-only or special file system, no space left;
+            nothing is left at the destination); ``pivot`` of an output that is not ``task: score``'s;
+            ``json_fields`` with ``pivot``.
         InputError: ``join_input`` and the input cannot be read.
     """
     out_dir, dest = Path(out_dir), Path(to)
@@ -323,17 +398,6 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
         table = json_columns(table, structured.json if structured is not None else None)
     if join_input:
         table = _with_input(table, positions, job)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.export-{os.getpid()}.tmp"
-    try:
-        _write(table, fmt, tmp)
-        if dest.is_dir() and not dest.is_symlink():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.is_dir():
-            shutil.rmtree(tmp)
-        else:
-            tmp.unlink(missing_ok=True)
+    _write_beside(table, fmt, dest)
     return ExportSummary(path=dest, format=fmt, rows=table.num_rows, columns=table.num_columns,
                          order="input" if by_input else "id")

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import jinja2
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .export import read_committed
+from .export import destination_error, read_committed
 from .status import format_settings, job_status, recorded_totals
 
 # Chart files, written beside the HTML page: file name -> alt text.
@@ -27,7 +28,15 @@ _MAX_FAILED_SHOWN = 1000  # failed rows listed in the table; the count covers th
 
 
 class ReportError(RuntimeError):
-    """The report cannot be made (matplotlib missing, destination not writable)."""
+    """The report cannot be made: matplotlib missing (the CLI exits with ``exit_code`` 1), OUT_DIR holding
+    ``task: score`` results or a destination that cannot be written (2: the command line; 1 when no space was
+    left)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def _column(table: pa.Table | None, name: str) -> list:
@@ -162,8 +171,26 @@ def _save(fig, out_dir: Path, name: str, counts: bool = False) -> str:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if counts:
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.savefig(out_dir / name)
+    _replace_with(out_dir / name, lambda tmp: fig.savefig(tmp, format="png"))
     return name
+
+
+def _replace_with(path: Path, write) -> None:
+    """``write(tmp)`` a temporary file beside ``path``, then rename it to ``path``: a failed write leaves
+    ``path`` as it was and no temporary file behind.
+
+    Raises:
+        OSError: the write or the rename failed.
+    """
+    tmp = path.with_name(f".{path.name}.report-{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # it could not be made either
 
 
 def _shown(value) -> str:
@@ -248,7 +275,10 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
         The HTML file's path.
 
     Raises:
-        ReportError: matplotlib is not installed; ``out_dir`` holds ``task: score`` results.
+        ReportError: matplotlib is not installed; ``out_dir`` holds ``task: score`` results; the page's
+            directory cannot be made or written (a parent that is a file, a read-only or special file system,
+            no space left: one line naming ``--out`` and the OS's reason; each file is written under a
+            temporary name and renamed, so none is left half written).
         OutputError: ``out_dir`` has no manifest, or a committed shard is missing or damaged (as in
             ``pipeline export``).
     """
@@ -262,9 +292,18 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
     if table is not None and "choice_index" in table.column_names:
         raise ReportError(f"pipeline report: {out_dir} holds task: score results, which the report does not chart; "
                           f"pipeline status {out_dir} summarizes them, pipeline export {out_dir} --to F --pivot "
-                          "gives each row's pred")
+                          "gives each row's pred", exit_code=2)
     page = Path(out) if out is not None else out_dir / "report" / "report.html"
-    page.parent.mkdir(parents=True, exist_ok=True)
+    option = "--out" if out is not None else "the default --out"
+    try:
+        blocker = next((a for a in page.parents if a.exists() and not a.is_dir()), None)
+        if blocker is not None:
+            raise ReportError(f"{option} {page}: cannot write it: {blocker} is a file, not a directory", exit_code=2)
+        if page.is_dir():
+            raise ReportError(f"{option} {page}: a directory; name the HTML file to write", exit_code=2)
+        page.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise destination_error(option, page, e, ReportError) from None
     summary = summary_numbers(manifest, table)
     status = job_status(out_dir)
     pending = status["rows_pending"]
@@ -283,7 +322,10 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
     ]
     failed = [] if table is None else table.select(["id", "sample_index", "error"]).filter(
         pc.invert(pc.is_null(table.column("error")))).to_pylist()
-    charts = write_charts(table, page.parent)
+    try:
+        charts = write_charts(table, page.parent)
+    except OSError as e:
+        raise destination_error(option, page, e, ReportError) from None
     html = _PAGE.render(
         out_dir=str(out_dir), state="complete" if status["complete"] else "incomplete", shards=status["shards"],
         summary=summary, numbers=[(k, label, _finite(v)) for k, label, v in numbers], shown=_shown,
@@ -293,7 +335,10 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
         fingerprint=json.dumps(manifest.get("fingerprint", {}), indent=1, sort_keys=True, ensure_ascii=False),
         runs=manifest.get("runs", []),
     )
-    page.write_text(html, encoding="utf-8")
+    try:
+        _replace_with(page, lambda tmp: tmp.write_text(html, encoding="utf-8"))
+    except OSError as e:
+        raise destination_error(option, page, e, ReportError) from None
     return page
 
 

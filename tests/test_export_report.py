@@ -160,12 +160,12 @@ def test_export_join_input_and_overwrite(run, tmp_path):
         src = by_id[r["id"]]
         assert (r["question"], r["lang"], r["input_prompt"], r["max_tokens"]) == (
             src["question"], src["lang"], src["prompt"], src["max_tokens"])
-    proc = run_cli("export", str(out), "--to", str(dest), expect=1)
+    proc = run_cli("export", str(out), "--to", str(dest), expect=2)
     assert proc.stderr.strip() == f"error: --to {dest}: exists; pass --overwrite to replace it"
     assert pq.read_table(dest).num_columns == got.num_columns  # left as it was
     run_cli("export", str(out), "--to", str(dest), "--overwrite")
     assert pq.read_table(dest).equals(expected)
-    proc = run_cli("export", str(out), "--to", str(out / "x.parquet"), expect=1)
+    proc = run_cli("export", str(out), "--to", str(out / "x.parquet"), expect=2)
     assert "inside the output dir" in proc.stderr and not (out / "x.parquet").exists()
 
 
