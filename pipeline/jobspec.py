@@ -287,18 +287,16 @@ def structured_from_cell(text, where: str) -> StructuredOutputsParams:
 
     Raises:
         JobSpecError: one line starting with ``where``: not a string, not JSON, not a mapping, an unknown
-            key, or a schema / regex / grammar that does not compile.
+            key, a value of the wrong type, or a schema / regex / grammar that does not compile
+            (``StructuredOutputsParams.from_mapping``; several problems joined by "; ").
     """
     if not isinstance(text, str):
-        raise JobSpecError(f"{where} must be a JSON string, got {type(text).__name__}")
+        raise JobSpecError(f"{where}: must be a JSON string, got {type(text).__name__}")
     try:
         data = json.loads(text)
     except ValueError as e:
-        raise JobSpecError(f"{where} is not JSON: {e}") from None
-    try:
-        return _build(StructuredOutputsParams, data, "generation.structured")
-    except JobSpecError as e:
-        raise JobSpecError(" ".join(p.replace("generation.structured", where, 1) for p in e.problems)) from None
+        raise JobSpecError(f"{where}: is not JSON: {e}") from None
+    return StructuredOutputsParams.from_mapping(data, where)
 
 
 # Generation keys an input column of the same name may set per row.

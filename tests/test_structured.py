@@ -412,6 +412,56 @@ def test_an_invalid_job_key_is_one_line_naming_it(structured, message):
     assert len(e.value.problems) == (2 if "unknown key" in message else 1)  # + "set exactly one" for a typo
 
 
+@pytest.mark.parametrize("structured, message", [
+    ({"choice": [1, 2]}, "generation.structured.choice must be a non-empty list of non-empty strings, got list [1, 2]"),
+    ({"json": 5}, "generation.structured.json must be a JSON Schema (a mapping) or the path of a .json file holding "
+                  "one, got int 5"),
+    ({"regex": 5}, "generation.structured.regex must be a string, got int 5"),
+    ({"grammar": ["x"]}, "generation.structured.grammar must be a string, got list ['x']"),
+    ({"json_object": "yes"}, "generation.structured.json_object must be true or false, got str 'yes'"),
+    ({"json_object": 0}, "generation.structured.json_object must be true or false, got int 0"),
+])
+def test_a_value_of_the_wrong_type_is_one_problem(structured, message):
+    """A key given a value of the wrong type is that one problem, not also "set exactly one of ... (got none)"."""
+    with pytest.raises(JobSpecError) as e:
+        job_from_dict(_job(structured))
+    assert e.value.problems == [message]
+
+
+CELL = "input.structured_column 'format' of row 'r9'"
+
+
+@pytest.mark.parametrize("cell, message", [
+    ('{"regex": "a", "extra": 1}', "unknown key 'extra' (known: json, json_object, regex, choice, grammar)"),
+    ('{"regexp": "a"}', "unknown key 'regexp' (did you mean 'regex'?); set exactly one of json, json_object: true, "
+                        "regex, choice, grammar (got none)"),
+    ('{"regex": 5}', "regex must be a string, got int 5"),
+    ('{"choice": [1, 2]}', "choice must be a non-empty list of non-empty strings, got list [1, 2]"),
+    ('{"json": 5}', "json must be a JSON Schema (a mapping) or the path of a .json file holding one, got int 5"),
+    ('{"regex": "[0-9"}', 'regex: invalid regex "[0-9"'),
+    ("{}", "set exactly one of json, json_object: true, regex, choice, grammar (got none)"),
+    ('{"regex": "a", "choice": ["a"]}', "set exactly one of json, json_object: true, regex, choice, grammar "
+                                        "(got regex, choice)"),
+    ("[1]", 'must be a JSON object such as {"regex": "..."}, got list'),
+    ("{not json", "is not JSON: "),
+])
+def test_a_bad_cell_is_one_line_naming_the_row_then_each_problem_once(cell, message):
+    from pipeline.jobspec import structured_from_cell
+
+    with pytest.raises(JobSpecError) as e:
+        structured_from_cell(cell, CELL)
+    assert len(e.value.problems) == 1 and "\n" not in e.value.problems[0]
+    assert e.value.problems[0].startswith(f"{CELL}: {message}")
+    assert e.value.problems[0].count(CELL) == 1
+
+
+def test_a_good_cell():
+    from pipeline.jobspec import structured_from_cell
+
+    assert structured_from_cell('{"choice": "only"}', CELL) == StructuredOutputsParams(choice=("only",))
+    assert structured_from_cell('{"json_object": true}', CELL).key == "json_object"
+
+
 def test_the_cli_refuses_an_invalid_key_before_loading_the_model(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(_job({"regex": "(unclosed"})), encoding="utf-8")

@@ -19,6 +19,7 @@ no further token) ends with finish_reason "stop" without sampling an EOS.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import io
 import itertools
@@ -50,59 +51,117 @@ class StructuredOutputsParams:
         json: a JSON Schema (a mapping), or the path of a ``.json`` file holding one (relative to the
             working directory; ``check`` reads it and keeps the schema, so the fingerprint holds the
             schema, not the path).
-        json_object: any JSON object.
+        json_object: any JSON object (``True``).
         regex: the completion matches this regular expression (Rust ``regex`` syntax, whole match).
-        choice: the completion is exactly one of these strings.
+        choice: the completion is exactly one of these strings (a list is kept as a tuple, a single string
+            as a tuple of one).
         grammar: a Lark grammar (llguidance's dialect; a llama.cpp GBNF grammar is converted).
+
+    The fields are annotated ``object`` so that the job loader (``jobspec._build``) passes any value given
+    in the job file through and ``check`` judges them: a key given a value of the wrong type then reads as
+    one problem naming that key, not also as "set exactly one of ... (got none)". Their types are the ones
+    above (``check`` says so when they are not).
     """
 
-    json: dict | str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None
+    json: object = None  # dict | str | None
+    json_object: object = False  # bool
+    regex: object = None  # str | None
+    choice: object = None  # tuple[str, ...] | None
+    grammar: object = None  # str | None
 
     def __post_init__(self):
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
+        elif isinstance(self.choice, str):
+            object.__setattr__(self, "choice", (self.choice,))
 
     @property
     def key(self) -> str:
         """The field that is set ("json", "json_object", "regex", "choice" or "grammar")."""
-        return next(k for k in KEYS if getattr(self, k) not in (None, False))
+        return next(k for k in KEYS if _is_set(getattr(self, k)))
 
-    def check(self, where: str = "generation.structured") -> None:
-        """Exactly one field set, a schema file read, and the grammar compiled by llguidance (no model
-        needed); ``where`` prefixes the key in messages.
-
-        Raises:
-            JobSpecError: one line naming the key, e.g. "generation.structured.regex: invalid regex ...".
-        """
-        set_ = [k for k in KEYS if getattr(self, k) not in (None, False)]
+    def problem(self) -> tuple[str | None, str] | None:
+        """The first problem of this constraint, or None: ``(key, text)`` where ``key`` is the field it
+        concerns (None for the whole mapping) and ``text`` says what is wrong, without the key: not
+        exactly one field set, a field of the wrong type, a schema file that cannot be read, a grammar that
+        llguidance does not compile (no model needed). Reads a ``json`` schema file and keeps the schema."""
+        set_ = [k for k in KEYS if _is_set(getattr(self, k))]
         if len(set_) != 1:
             got = ", ".join(set_) if set_ else "none"
             keys = ", ".join("json_object: true" if k == "json_object" else k for k in KEYS)
-            raise JobSpecError(f"{where}: set exactly one of {keys} (got {got})")
+            return None, f"set exactly one of {keys} (got {got})"
         key = set_[0]
+        value = getattr(self, key)
+        wrong = {"json": not isinstance(value, (dict, str)),
+                 "json_object": not isinstance(value, bool),
+                 "regex": not isinstance(value, str),
+                 "choice": not (isinstance(value, tuple) and value and all(isinstance(c, str) and c for c in value)),
+                 "grammar": not isinstance(value, str)}[key]
+        if wrong:
+            want = {"json": "a JSON Schema (a mapping) or the path of a .json file holding one",
+                    "json_object": "true or false", "regex": "a string",
+                    "choice": "a non-empty list of non-empty strings", "grammar": "a string"}[key]
+            shown = list(value) if isinstance(value, tuple) else value
+            return key, f"must be {want}, got {type(shown).__name__} {shown!r}"
         if isinstance(self.json, str):
             path = Path(self.json)
             try:
                 schema = json.loads(path.read_text(encoding="utf-8"))
             except OSError as e:
-                raise JobSpecError(f"{where}.json: cannot read schema file {path}: {e.strerror}") from None
+                return key, f"cannot read schema file {path}: {e.strerror}"
             except ValueError as e:
-                raise JobSpecError(f"{where}.json: schema file {path} is not JSON: {e}") from None
+                return key, f"schema file {path} is not JSON: {e}"
             if not isinstance(schema, dict):
-                raise JobSpecError(f"{where}.json: schema file {path} must hold a JSON object")
+                return key, f"schema file {path} must hold a JSON object"
             object.__setattr__(self, "json", schema)
-        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
-            raise JobSpecError(f"{where}.choice must be a non-empty list of non-empty strings")
         try:
             problem = llguidance.LLMatcher.validate_grammar(self.lark())
         except ValueError as e:
             problem = str(e)
         if problem:
-            raise JobSpecError(f"{where}.{key}: {one_line(problem, key)}")
+            return key, one_line(problem, key)
+        return None
+
+    def check(self, where: str = "generation.structured") -> None:
+        """``problem()`` as a ``JobSpecError`` whose line starts with ``where`` and the key, e.g.
+        "generation.structured.regex: invalid regex ...", "generation.structured.regex must be a string, got
+        int 5" or "generation.structured: set exactly one of ...".
+
+        Raises:
+            JobSpecError: one line naming the key.
+        """
+        found = self.problem()
+        if found is not None:
+            raise JobSpecError(_where_line(where, *found))
+
+    @classmethod
+    def from_mapping(cls, data, where: str) -> StructuredOutputsParams:
+        """The constraint a ``generation.structured``-like mapping ``data`` names (an ``input.structured_column``
+        cell's), checked like the job key.
+
+        Raises:
+            JobSpecError: one line, ``"{where}: "`` then every problem joined by "; ": not a mapping, an
+                unknown key (with the closest known one), then ``problem()``'s, e.g.
+                "input.structured_column 'format' of row 'r9': unknown key 'extra' (known: ...)" or
+                "... of row 'r9': regex must be a string, got int 5".
+        """
+        if not isinstance(data, dict):
+            raise JobSpecError(f"{where}: must be a JSON object such as {{\"regex\": \"...\"}}, "
+                               f"got {type(data).__name__}")
+        problems = []
+        for k in data:
+            if k not in KEYS:
+                close = difflib.get_close_matches(str(k), KEYS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(KEYS)})"
+                problems.append(f"unknown key {k!r}{hint}")
+        params = cls(**{k: v for k, v in data.items() if k in KEYS})
+        found = params.problem()
+        if found is not None:
+            key, text = found
+            problems.append(text if key is None else f"{key}{_joiner(text)}{text}")
+        if problems:
+            raise JobSpecError(f"{where}: " + "; ".join(problems))
+        return params
 
     def lark(self) -> str:
         """The llguidance grammar (its JSON form, as ``llguidance.grammar_from`` builds it).
@@ -130,6 +189,22 @@ def one_line(message: str, key: str | None = None) -> str:
     keep = [s.strip() for s in message.splitlines()
             if s.strip() and not set(s.strip()) <= {"^", " "} and "|" not in s[:8]]
     return " ".join(keep)
+
+
+def _is_set(value) -> bool:
+    """A field counts as set unless it is None or False (``json_object: false`` sets nothing); 0 and "" count."""
+    return value is not None and value is not False
+
+
+def _joiner(text: str) -> str:
+    """" " before a problem that reads on from its key ("must be ..."), ": " before any other."""
+    return " " if text.startswith("must ") else ": "
+
+
+def _where_line(where: str, key: str | None, text: str) -> str:
+    if key is None:
+        return f"{where}: {text}"
+    return f"{where}.{key}{_joiner(text)}{text}"
 
 
 @functools.lru_cache(maxsize=8)
