@@ -85,6 +85,10 @@ def main():
       130  run stopped by SIGINT (Ctrl-C); 143 by SIGTERM: run it again to resume
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+    # datasets and huggingface_hub give their loggers a handler of their own: a record that also reached
+    # ours through the root logger printed twice ("Retrying in 1s", then "WARNING: Retrying in 1s")
+    for name in ("datasets", "huggingface_hub"):
+        logging.getLogger(name).propagate = False
 
 
 @main.command()

@@ -4,8 +4,14 @@ jinja2 template."""
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import glob
 import hashlib
+import json
+import logging
+import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,8 +41,9 @@ class InputRow:
         messages: chat conversation (list of ``{"role", "content"}``), or None.
         overrides: the row's non-null generation overrides, ``{column: value}`` (see
             ``jobspec.ROW_OVERRIDES``); checked when the row is generated.
-        error: why the row's prompt could not be built (its template printed a null value), or None;
-            the row then fails with this error.
+        error: why the row's prompt could not be built (its template printed a null value; its prompt or
+            messages cell of a mixed-type JSON column is not a string or a list), or None; the row then
+            fails with this error.
         choices: ``task: score``: the row's ``input.choices_column`` cell (a list of strings, or whatever
             it holds: checked per row, ``run.plan.row_choices``) or its ``input.continuation_column`` cell;
             None otherwise.
@@ -250,6 +257,14 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+def _no_rows(spec: InputSpec) -> InputError:
+    if spec.dataset is not None:
+        d = spec.dataset
+        return InputError(f"input.dataset {d.name!r}" + (f" config {d.config!r}" if d.config else "")
+                          + f" split {d.split!r}: no rows")
+    return InputError(f"input.path {spec.path!r}: no rows")
+
+
 def _read_parquet(spec: InputSpec, files: list[Path], pick, stop_after: int | None) -> pa.Table:
     keys = None
     tables, n = [], 0
@@ -266,14 +281,36 @@ def _read_parquet(spec: InputSpec, files: list[Path], pick, stop_after: int | No
         if stop_after is not None and n >= stop_after:
             break
     try:
-        return pa.concat_tables(tables, promote_options="permissive")
+        table = pa.concat_tables(tables, promote_options="permissive")
     except pa.ArrowException as e:
         raise InputError(f"input.path {spec.path!r}: files have incompatible schemas: {e}") from None
+    if table.num_rows == 0:
+        raise _no_rows(spec)
+    return table
 
 
-def _stream(dataset, what: str, stop_after: int | None) -> pa.Table:
-    """The Arrow batches of a streaming ``datasets.IterableDataset``, concatenated; stops reading after
-    ``stop_after`` rows."""
+# Loggers of the libraries that read JSON, CSV and hub inputs: they log what they then raise ("Failed to read
+# file ...") and each retry of an unreachable hub; the InputError says it once, in one line.
+_LIBRARY_LOGGERS = ("datasets", "huggingface_hub", "fsspec")
+
+
+@contextlib.contextmanager
+def _quiet_libraries():
+    """Silence the reading libraries' loggers (call after importing ``datasets``, whose import sets its level)."""
+    loggers = [logging.getLogger(name) for name in _LIBRARY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _stream(dataset, what: str, stop_after: int | None) -> pa.Table | None:
+    """The Arrow batches of a streaming ``datasets.IterableDataset``, concatenated (None: no rows); stops
+    reading after ``stop_after`` rows."""
     tables, n = [], 0
     try:
         for batch in dataset.with_format("arrow").iter(batch_size=_BATCH_ROWS):
@@ -284,47 +321,118 @@ def _stream(dataset, what: str, stop_after: int | None) -> pa.Table:
         table = pa.concat_tables(tables, promote_options="permissive") if tables else None
     except Exception as e:  # noqa: BLE001 - datasets and its readers raise many types; the job gets one line
         raise InputError(f"{what}: not readable: {_first_line(e)}") from None
-    if table is None:
-        raise InputError(f"{what}: no rows")
+    if table is None or table.num_rows == 0:
+        return None
     return table.replace_schema_metadata(None)
+
+
+def _is_blank(f: Path) -> bool:
+    """An empty file, or one of only whitespace (``datasets`` fails on an empty JSON Lines file)."""
+    size = f.stat().st_size
+    return size == 0 or (size <= 4096 and not f.read_bytes().strip())
+
+
+def _csv_first_row(f: Path) -> str | None:
+    """Why pandas would misread the first data row of CSV file ``f``, or None.
+
+    A first data row with more fields than the header makes pandas (``index_col=None``) take the first
+    column as the index, shifting every column; ``index_col=False`` drops the extra fields instead, with a
+    ``ParserWarning``. Only one extra empty field (a trailing comma) is read right. Later rows with too many
+    fields are pandas' "Expected 2 fields in line 3, saw 3" error already; this says the same of the first.
+    """
+    try:
+        with open(f, newline="", encoding="utf-8-sig", errors="replace") as fh:
+            reader = csv.reader(fh)
+            header = next((r for r in reader if r), None)
+            first = next((r for r in reader if r), None) if header is not None else None
+            line = reader.line_num
+    except (OSError, csv.Error):
+        return None  # pandas reads it (and says what is wrong)
+    if header is None or first is None or len(first) <= len(header):
+        return None
+    if len(first) == len(header) + 1 and first[-1] == "":
+        return None
+    return f"{f}: Expected {len(header)} fields in line {line}, saw {len(first)}"
 
 
 def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | None) -> pa.Table:
     import datasets
+    import pandas as pd
 
     what = f"input.path {spec.path!r} ({_FORMAT_NAMES[fmt]})"
-    try:
-        ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train", streaming=True)
-    except Exception as e:  # noqa: BLE001 - see _stream
-        raise InputError(f"{what}: not readable: {_first_line(e)}") from None
-    return _stream(ds, what, stop_after)
+    files = [f for f in files if not _is_blank(f)]
+    if not files:
+        raise _no_rows(spec)
+    kwargs = {}
+    if fmt == "csv":
+        for f in files:
+            if (problem := _csv_first_row(f)) is not None:
+                raise InputError(f"{what}: not readable: {problem}")
+        kwargs["index_col"] = False  # never the first column as the index (see _csv_first_row)
+    with _quiet_libraries(), warnings.catch_warnings():
+        # pandas dropping fields of a row (index_col=False) is an error, never lost data
+        warnings.simplefilter("error", pd.errors.ParserWarning)
+        try:
+            ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train", streaming=True,
+                                       **kwargs)
+        except Exception as e:  # noqa: BLE001 - see _stream
+            raise InputError(f"{what}: not readable: {_first_line(e)}") from None
+        table = _stream(ds, what, stop_after)
+    if table is None:
+        raise _no_rows(spec)
+    return table
 
 
-def _read_hub(d: DatasetSpec, stop_after: int | None) -> pa.Table:
+def _read_hub(d: DatasetSpec, stop_after: int | None) -> pa.Table | None:
     import datasets
 
     what = f"input.dataset {d.name!r}" + (f" config {d.config!r}" if d.config else "") + f" split {d.split!r}"
-    try:
-        ds = datasets.load_dataset(d.name, d.config, split=d.split, revision=d.revision, streaming=True)
-    except ConnectionError as e:
-        raise InputError(f"{what}: cannot reach the Hugging Face hub ({_first_line(e)}); "
-                         "offline, use input.path with local files") from None
-    except Exception as e:  # noqa: BLE001 - see _stream
-        raise InputError(f"{what}: cannot be loaded: {_first_line(e)}") from None
-    return _stream(ds, what, stop_after)
+    with _quiet_libraries():
+        try:
+            ds = datasets.load_dataset(d.name, d.config, split=d.split, revision=d.revision, streaming=True)
+        except ConnectionError as e:
+            raise InputError(f"{what}: cannot reach the Hugging Face hub ({_first_line(e)}); "
+                             "offline, use input.path with local files") from None
+        except Exception as e:  # noqa: BLE001 - see _stream
+            raise InputError(f"{what}: cannot be loaded: {_first_line(e)}") from None
+        return _stream(ds, what, stop_after)
+
+
+def _integral_ids(table: pa.Table, spec: InputSpec) -> pa.Table:
+    """CSV: an integer id column with an empty cell reads as float (pandas: NaN); back to integers, so
+    that the empty cell is a null id ("null id in row(s) 2", as for Parquet), not a float column."""
+    name = spec.id_column
+    if not name or name not in table.column_names:
+        return table
+    col = table.column(name)
+    if not pa.types.is_floating(col.type) or col.null_count == 0:
+        return table
+    values = col.drop_null().to_pylist()
+    if not all(math.isfinite(v) and v.is_integer() and abs(v) < 2**63 for v in values):
+        return table
+    i = table.column_names.index(name)
+    return table.set_column(i, table.schema.field(i).with_type(pa.int64()), pc.cast(col, pa.int64()))
 
 
 def _read(spec: InputSpec, pick, stop_after: int | None) -> pa.Table:
     """The input in input order: the columns ``pick(column names)`` returns (``{column: job key}``; None:
-    all), at least ``stop_after`` rows (None: all)."""
+    all), at least ``stop_after`` rows (None: all).
+
+    Raises:
+        InputError: as ``read_table``; an input with no rows.
+    """
     if spec.dataset is not None:
         table, where = _read_hub(spec.dataset, stop_after), f"dataset {spec.dataset.name!r}"
+        if table is None:
+            raise _no_rows(spec)
     else:
         files = input_files(spec.path)
         fmt = input_format(spec.path, files)
         if fmt == "parquet":
             return _read_parquet(spec, files, pick, stop_after)
         table, where = _read_files(spec, files, fmt, stop_after), "input"
+        if fmt == "csv":
+            table = _integral_ids(table, spec)
     keys = pick(table.column_names)
     if keys is None:
         return table
@@ -354,6 +462,90 @@ def read_input(spec: InputSpec, columns: list[str] | None = None) -> pa.Table:
     return _read(spec, lambda names: None if columns is None else {c: "input" for c in columns}, None)
 
 
+# --- JSON values of mixed types -----------------------------------------------------------------------
+
+
+def _is_json(t: pa.DataType) -> bool:
+    return isinstance(t, pa.BaseExtensionType) and t.extension_name == "arrow.json"
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def _has_json(t: pa.DataType) -> bool:
+    """``t`` is or holds ``extension<arrow.json>``: ``datasets``' JSON reader gives a column (or a field
+    inside one) that type when its values mix types (``"Hi"`` and ``5``, a list and a string, a message
+    whose ``content`` is 5), each value held as its JSON text."""
+    if _is_json(t):
+        return True
+    if _is_list(t):
+        return _has_json(t.value_type)
+    if pa.types.is_struct(t):
+        return any(_has_json(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_map(t):
+        return _has_json(t.key_type) or _has_json(t.item_type)
+    return False
+
+
+def _decode(value, t: pa.DataType):
+    """A ``to_pylist`` value of type ``t``, its JSON texts decoded."""
+    if value is None:
+        return None
+    if _is_json(t):
+        return json.loads(value)
+    if _is_list(t):
+        return [_decode(v, t.value_type) for v in value]
+    if pa.types.is_struct(t):
+        return {k: _decode(v, t.field(k).type) for k, v in value.items()}
+    if pa.types.is_map(t):
+        return [(_decode(k, t.key_type), _decode(v, t.item_type)) for k, v in value]
+    return value
+
+
+def _json_columns(table: pa.Table) -> dict[str, list]:
+    """The values (Python, JSON decoded) of each column of ``table`` that holds JSON of mixed types."""
+    return {name: [_decode(v, t) for v in table.column(name).to_pylist()]
+            for name, t in zip(table.column_names, table.schema.types) if _has_json(t)}
+
+
+_KINDS = ((bool, "a boolean", "booleans"), (int, "an integer", "integers"), (float, "a number", "numbers"),
+          (str, "a string", "strings"), (list, "a list", "lists"), (dict, "an object", "objects"))
+
+
+def _kind(value, plural: bool = False) -> str:
+    for t, one, many in _KINDS:
+        if isinstance(value, t):
+            return many if plural else one
+    return type(value).__name__
+
+
+def _kinds(values: list) -> str:
+    """"integers and strings": the kinds of the non-null ``values``."""
+    kinds = list(dict.fromkeys(_kind(v, plural=True) for v in values if v is not None))
+    return " and ".join([", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
+
+
+def _describe(value) -> str:
+    """``a string ("notalist")``: a JSON value's kind and its JSON text (cut to 40 characters)."""
+    shown = json.dumps(value, ensure_ascii=False)
+    return f"{_kind(value)} ({shown if len(shown) <= 40 else shown[:37] + '...'})"
+
+
+def _cell_errors(values: list, name: str, key: str, kind: str, ok) -> list[str | None]:
+    """Per row, None or why its cell of the mixed-type JSON column ``name`` is not ``kind`` (the row then
+    fails with it).
+
+    Raises:
+        InputError: no cell is ``kind``: the column is of another type, not a row.
+    """
+    present = [v for v in values if v is not None]
+    if present and not any(ok(v) for v in present):
+        raise InputError(f"{key}: column {name!r} holds {_kinds(present)}, expected {kind}")
+    return [None if v is None or ok(v) else f"{key}: column {name!r} holds {_describe(v)}, expected {kind}"
+            for v in values]
+
+
 # --- selecting ---------------------------------------------------------------------------------------
 
 
@@ -378,26 +570,51 @@ def _filter_mask(table: pa.Table, f: FilterSpec) -> pa.Array:
     return pc.fill_null(pc.is_in(col, value_set=value_set), False)
 
 
+def _filter_mask_values(values: list, f: FilterSpec) -> pa.Array:
+    """``_filter_mask`` for a column of mixed-type JSON ``values``: a value matches one of the same kind."""
+    targets = [f.equals] if f.one_of is None else f.one_of
+
+    def same(v, x) -> bool:
+        return (v is not None and isinstance(v, bool) == isinstance(x, bool)
+                and isinstance(v, str) == isinstance(x, str) and v == x)
+
+    return pa.array([any(same(v, x) for x in targets) for v in values], pa.bool_())
+
+
 def _shuffle_key(seed: int, row_id) -> bytes:
     """blake2b of (seed, id) as text: the same order in every process, platform and library version."""
     return hashlib.blake2b(f"{seed}\x1f{type(row_id).__name__}:{row_id}".encode(), digest_size=8).digest()
 
 
-def _ids(table: pa.Table, spec: InputSpec) -> tuple[list, pa.DataType]:
+def _ids(table: pa.Table, spec: InputSpec, decoded: dict[str, list] | None = None) -> tuple[list, pa.DataType]:
     if not spec.id_column:
         return list(range(table.num_rows)), pa.int64()
+    if decoded and spec.id_column in decoded:  # JSON ids of mixed kinds: one kind is fine, two are not
+        ids = decoded[spec.id_column]
+        present = [v for v in ids if v is not None]
+        if all(isinstance(v, str) for v in present):
+            return ids, pa.string()
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+            return ids, pa.int64()
+        raise InputError(f"input.id_column: column {spec.id_column!r} holds {_kinds(present)}, expected integer "
+                         "or string (the same in every row)")
     _check_column(table, spec.id_column, "input.id_column", "integer or string",
                   lambda t: pa.types.is_integer(t) or _is_string(t))
     id_type = pa.int64() if pa.types.is_integer(table.schema.field(spec.id_column).type) else pa.string()
     return table.column(spec.id_column).to_pylist(), id_type
 
 
-def select_indices(table: pa.Table, spec: InputSpec, ids: list, limit: int | None) -> list[int]:
+def select_indices(table: pa.Table, spec: InputSpec, ids: list, limit: int | None,
+                   decoded: dict[str, list] | None = None) -> list[int]:
     """Positions of the rows the job uses, in the order it uses them: rows matching every filter, then
-    ordered by ``_shuffle_key(shuffle_seed, id)`` if a seed is set, then the first ``limit``."""
+    ordered by ``_shuffle_key(shuffle_seed, id)`` if a seed is set, then the first ``limit``.
+
+    Args:
+        decoded: the values of the mixed-type JSON columns (``_json_columns``).
+    """
     mask = None
     for f in _filters(spec):
-        m = _filter_mask(table, f)
+        m = _filter_mask_values(decoded[f.column], f) if decoded and f.column in decoded else _filter_mask(table, f)
         mask = m if mask is None else pc.and_(mask, m)
     picked = list(range(table.num_rows)) if mask is None else pc.indices_nonzero(mask).to_pylist()
     if spec.shuffle_seed is not None:
@@ -435,50 +652,86 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
         ``pa.string()``, the type of the output ``id`` column.
 
     Raises:
-        InputError: missing files or columns, wrong column types, a filter value of another type than
-            its column, null or duplicate ids among the selected rows, a hub dataset that cannot be loaded,
+        InputError: missing files or columns, no rows, a filter that matches no row, wrong column types
+            (a mixed-type JSON column fails the rows whose cell is of the wrong type, and stops the job only
+            when no cell is of the right type), a filter value of another type than its column, null or
+            duplicate ids among the selected rows, a hub dataset that cannot be loaded,
             an ``input.template`` that raises on every selected row that uses it (one that raises on some
             rows fails those rows).
     """
     limit = limit if limit is not None else spec.limit
     whole = spec.filter is not None or spec.shuffle_seed is not None  # selecting needs every row
     table = read_table(spec, stop_after=None if whole else limit)
+    # JSON columns whose values mix types (datasets gives them extension<arrow.json>) are checked per cell:
+    # a cell of the wrong type fails its row; a column with no cell of the right type stops the job
+    decoded = _json_columns(table)
+
+    def check(name: str, key: str, kind: str, ok) -> None:
+        if name not in decoded:
+            _check_column(table, name, key, kind, ok)
+
+    cell_errors = {}  # column -> per row (whole table) None or why the cell fails its row
     if spec.template is None and spec.prompt_column:
-        _check_column(table, spec.prompt_column, "input.prompt_column", "string", _is_string)
+        check(spec.prompt_column, "input.prompt_column", "string", _is_string)
+        if spec.prompt_column in decoded:
+            cell_errors[spec.prompt_column] = _cell_errors(decoded[spec.prompt_column], spec.prompt_column,
+                                                           "input.prompt_column", "a string",
+                                                           lambda v: isinstance(v, str))
     if spec.messages_column:
-        _check_column(table, spec.messages_column, "input.messages_column",
-                      "list<struct<role: string, content: string>>", _is_messages)
+        check(spec.messages_column, "input.messages_column", "list<struct<role: string, content: string>>",
+              _is_messages)
+        if spec.messages_column in decoded:  # a message's own problems fail its row in prompts.build_prompt
+            cell_errors[spec.messages_column] = _cell_errors(decoded[spec.messages_column], spec.messages_column,
+                                                             "input.messages_column", "a list of messages",
+                                                             lambda v: isinstance(v, list))
+    # mixed JSON values of these are checked per row when the row is planned (run.plan)
     if spec.choices_column:
-        _check_column(table, spec.choices_column, "input.choices_column", "list<string>", _is_list_of(_is_string))
+        check(spec.choices_column, "input.choices_column", "list<string>", _is_list_of(_is_string))
     if spec.continuation_column:
-        _check_column(table, spec.continuation_column, "input.continuation_column", "string", _is_string)
+        check(spec.continuation_column, "input.continuation_column", "string", _is_string)
     if spec.structured_column:
-        _check_column(table, spec.structured_column, "input.structured_column", "string", _is_string)
+        check(spec.structured_column, "input.structured_column", "string", _is_string)
     for name in override_columns(spec, table.column_names):
         kind, ok = _OVERRIDE_TYPES.get(name, ("number", _is_number))
-        _check_column(table, name, f"per-row override of generation.{name}", kind, ok)
-    all_ids, id_type = _ids(table, spec)
-    picked = select_indices(table, spec, all_ids, limit)
+        check(name, f"per-row override of generation.{name}", kind, ok)
+    all_ids, id_type = _ids(table, spec, decoded)
+    picked = select_indices(table, spec, all_ids, limit, decoded)
+    if not picked:
+        raise InputError(f"input.filter: no row matches (of {table.num_rows} rows)")
     if spec.id_column:
         _check_ids(spec, [(i, all_ids[i]) for i in picked])
     sel = table.take(pa.array(picked, pa.int64()))
     n = sel.num_rows
-    overrides = {name: sel.column(name).to_pylist() for name in override_columns(spec, sel.column_names)}
+
+    def cells(name: str) -> list:
+        return [decoded[name][i] for i in picked] if name in decoded else sel.column(name).to_pylist()
+
+    def picked_errors(name: str | None) -> list[str | None]:
+        return [cell_errors[name][i] for i in picked] if name in cell_errors else [None] * n
+
+    overrides = {name: cells(name) for name in override_columns(spec, sel.column_names)}
     errors = [None] * n
-    messages = sel.column(spec.messages_column).to_pylist() if spec.messages_column else [None] * n
+    message_errors = picked_errors(spec.messages_column)
+    messages = cells(spec.messages_column) if spec.messages_column else [None] * n
+    messages = [None if e else m for m, e in zip(messages, message_errors)]
+    uses_prompt = [m is None and e is None for m, e in zip(messages, message_errors)]
     if spec.template is not None:
-        columns = {c: sel.column(c).to_pylist() for c in template_columns(spec.template)}
+        columns = {c: cells(c) for c in template_columns(spec.template)}
         prompts, errors = _render_all(spec.template, columns, n)
         # a row with messages never uses its template prompt, so a failed render does not fail it
-        errors = [None if m is not None else e for m, e in zip(messages, errors)]
-        _check_template_ran(errors, [all_ids[i] for i in picked], [m is None for m in messages])
+        errors = [e if u else None for u, e in zip(uses_prompt, errors)]
+        _check_template_ran(errors, [all_ids[i] for i in picked], uses_prompt)
     elif spec.prompt_column:
-        prompts = sel.column(spec.prompt_column).to_pylist()
+        prompt_errors = picked_errors(spec.prompt_column)
+        prompts = [None if e else p for p, e in zip(cells(spec.prompt_column), prompt_errors)]
+        errors = [e if u else None for u, e in zip(uses_prompt, prompt_errors)]
     else:
         prompts = [None] * n
+    prompts = [None if e else p for p, e in zip(prompts, message_errors)]
+    errors = [m or e for m, e in zip(message_errors, errors)]
     scored = spec.choices_column or spec.continuation_column
-    choices = sel.column(scored).to_pylist() if scored else [None] * n
-    structured = sel.column(spec.structured_column).to_pylist() if spec.structured_column else [None] * n
+    choices = cells(scored) if scored else [None] * n
+    structured = cells(spec.structured_column) if spec.structured_column else [None] * n
     rows = [InputRow(index=i, id=all_ids[i], prompt=prompts[k], messages=messages[k],
                      overrides={c: v[k] for c, v in overrides.items() if v[k] is not None}, error=errors[k],
                      choices=choices[k], structured=structured[k])

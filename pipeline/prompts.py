@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,19 +36,37 @@ def _check_messages(messages) -> list[dict]:
     None where a source message lacked it); other keys (``name``, ``tool_calls``, ...) pass through.
 
     Raises:
-        RowError: no messages, a message without string ``role`` and ``content``, or a role not in
+        RowError: not a list, no messages, a message without string ``role`` and ``content``, or a role not in
             ``ROLES`` (system, user, assistant, tool, developer).
     """
+    if not isinstance(messages, list):
+        raise RowError(f"messages is {_what(messages)}, not a list")
     if not messages:
         raise RowError("messages is empty")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise RowError(f"messages[{i}] needs string 'role' and 'content'")
+            # a wrong non-null value is named (JSON input mixes types: "content": 5); a null one is plain
+            bad = (f"it is {_what(m)}" if not isinstance(m, dict) else
+                   next((f"{k!r} is {_what(m[k])}" for k in ("role", "content")
+                         if m.get(k) is not None and not isinstance(m[k], str)), None))
+            raise RowError(f"messages[{i}] needs string 'role' and 'content'" + (f"; {bad}" if bad else ""))
         if m["role"] not in ROLES:
             raise RowError(f"messages[{i}]: unknown role {m['role']!r} (expected {', '.join(ROLES[:-1])} or {ROLES[-1]})")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
+
+
+def _what(value) -> str:
+    """``an integer (5)``: the kind of a (JSON) value and its text, cut to 40 characters."""
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"),
+             (dict, "an object"))
+    kind = next((name for t, name in kinds if isinstance(value, t)), type(value).__name__)
+    try:
+        shown = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        shown = repr(value)
+    return f"{kind} ({shown if len(shown) <= 40 else shown[:37] + '...'})"
 
 
 @lru_cache(maxsize=8)
@@ -155,7 +174,7 @@ def _row_messages(row: InputRow, spec: InputSpec) -> tuple[str | None, list[dict
         RowError: as ``build_prompt``.
     """
     if row.messages is not None:
-        if len(row.messages) == 0:
+        if isinstance(row.messages, list) and len(row.messages) == 0:
             raise RowError(f"input column {spec.messages_column!r} is empty")
         try:
             messages = _check_messages(row.messages)
