@@ -187,3 +187,15 @@ def test_sigkill_mid_run_then_resume(tmp_path, tiny_model, questions, scored):
     assert len({(r["id"], r["choice_index"]) for r in rows}) == len(rows)
     key = lambda r: (r["id"], r["choice_index"])  # noqa: E731
     assert sorted(rows, key=key) == sorted(read(scored[0]).select(cols).to_pylist(), key=key)
+
+
+def test_a_continuation_cell_that_is_not_a_string_says_what_it_is(tiny_model, questions, tmp_path):
+    from pipeline.inputs import InputRow
+    from pipeline.run.plan import row_choices
+    d = job_dict(tiny_model, questions, tmp_path)
+    d["input"] = {**d["input"], "choices_column": None, "continuation_column": "answer"}
+    job = job_from_dict(d)
+    row = lambda cell: InputRow(index=0, id="r1", prompt="p", messages=None, overrides={}, choices=cell)  # noqa: E731
+    assert row_choices(job, row(" yes")) == [" yes"]
+    assert row_choices(job, row(None)) == "input.continuation_column 'answer' of row 'r1' is null"
+    assert row_choices(job, row(5)) == "input.continuation_column 'answer' of row 'r1' must be a string, got int"

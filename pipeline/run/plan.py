@@ -270,7 +270,8 @@ def row_choices(job: JobSpec, row: InputRow) -> list[str] | str:
     inp = job.input
     if inp.continuation_column is not None:
         if not isinstance(row.choices, str):
-            return f"input.continuation_column {inp.continuation_column!r} of row {row.id!r} is null"
+            got = "is null" if row.choices is None else f"must be a string, got {type(row.choices).__name__}"
+            return f"input.continuation_column {inp.continuation_column!r} of row {row.id!r} {got}"
         return [row.choices]
     cell = row.choices
     if not isinstance(cell, list) or not cell or not all(isinstance(c, str) for c in cell):
