@@ -15,14 +15,13 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jinja2
 import jinja2.meta
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .jobspec import ROW_OVERRIDES, DatasetSpec, FilterSpec, InputSpec
+from .row_template import NullPrinted, environment
 
 
 class InputError(ValueError):
@@ -150,29 +149,14 @@ def override_columns(spec: InputSpec, names) -> list[str]:
 # --- templates ---------------------------------------------------------------------------------------
 
 
-class _NullPrinted(Exception):
-    """A template printed a null column value."""
-
-
-def _finalize(value):
-    if value is None:
-        raise _NullPrinted
-    return value
-
-
 _NULL_PRINTED = "input.template printed a null value"
 _RAISED = "input.template failed: "
 
 
-def _template_env() -> ImmutableSandboxedEnvironment:
-    # StrictUndefined: a name that is not a column is an error, never an empty string
-    return ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                                         finalize=_finalize)
-
 
 def template_columns(source: str) -> list[str]:
     """The names a prompt template reads (sorted): each must be an input column."""
-    env = _template_env()
+    env = environment()
     return sorted(jinja2.meta.find_undeclared_variables(env.parse(source)) - set(env.globals))
 
 
@@ -182,14 +166,14 @@ def _render_all(source: str, columns: dict[str, list], n: int) -> tuple[list[str
     Returns:
         (prompts, errors): per row, the text or None, and None or why rendering failed.
     """
-    template = _template_env().from_string(source)
+    template = environment().from_string(source)
     prompts, errors = [], []
     for i in range(n):
         values = {c: v[i] for c, v in columns.items()}
         try:
             prompts.append(template.render(values))
             errors.append(None)
-        except _NullPrinted:
+        except NullPrinted:
             nulls = [c for c, v in values.items() if v is None]
             prompts.append(None)
             errors.append(f"{_NULL_PRINTED} (null in this row: {', '.join(nulls)})")

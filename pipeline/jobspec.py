@@ -20,6 +20,7 @@ import yaml
 
 from .engine.params import GenerateParams
 from .engine.structured import StructuredOutputsParams
+from . import row_template
 from .errors import JobSpecError
 from .resolve import DEFAULT_MODEL
 
@@ -182,10 +183,8 @@ class InputSpec:
         if self.shuffle_seed is not None and not 0 <= self.shuffle_seed < 2**63:
             bad.append(f"input.shuffle_seed must be in [0, 2**63), got {self.shuffle_seed}")
         if self.template is not None:
-            from .inputs import _template_env  # the environment rows are rendered with (inputs imports this module)
-
             try:  # compiling, not only parsing: an unknown filter or test is found here
-                _template_env().from_string(self.template)
+                row_template.environment().from_string(self.template)
             except jinja2.TemplateSyntaxError as e:  # TemplateAssertionError (unknown filter, test) included
                 bad.append(f"input.template does not compile: {e.message} (line {e.lineno})")
         if self.truncate not in ("error", "left", "right"):
