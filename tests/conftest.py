@@ -1,4 +1,6 @@
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,37 @@ def tiny_home(tiny_model, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PIPELINE_HOME", str(tmp_path_factory.mktemp("pipeline-home")))
         yield
+
+
+# --- real small and read-only file systems (tmpfs; skipped without root) -------------------------------
+
+
+def _mount(target: Path, options: str) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {proc.stderr.strip()}")
+
+
+def _umount(target: Path) -> None:
+    if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(options)``: a fresh tmpfs mounted with ``options`` (e.g. ``size=1m``); unmounted at teardown."""
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command")
+    mounted = []
+
+    def make(options: str) -> Path:
+        target = tmp_path / f"mnt-{len(mounted)}"
+        _mount(target, options)
+        mounted.append(target)
+        return target
+
+    yield make
+    for target in reversed(mounted):
+        _umount(target)

@@ -131,29 +131,6 @@ def test_hf_dir_over_an_existing_file_is_refused(out, tmp_path):
 # --- real read-only and full file systems ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """``tmpfs(options)``: a fresh tmpfs mounted with ``options``; unmounted at teardown (skips without root)."""
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command")
-    mounted = []
-
-    def make(options: str) -> Path:
-        target = tmp_path / f"mnt-{len(mounted)}"
-        target.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {proc.stderr.strip()}")
-        mounted.append(target)
-        return target
-
-    yield make
-    for target in reversed(mounted):
-        if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(target)], capture_output=True)
-
-
 def test_a_read_only_file_system(out, tmpfs):
     ro = tmpfs("ro,size=1m")
     for name in (*FORMATS.values(), "sub/x.parquet"):
