@@ -241,12 +241,14 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+def _dataset_name(d: DatasetSpec) -> str:
+    """``input.dataset 'openai/gsm8k' config 'main' split 'test'``: how messages name a hub dataset."""
+    return f"input.dataset {d.name!r}" + (f" config {d.config!r}" if d.config else "") + f" split {d.split!r}"
+
+
 def _no_rows(spec: InputSpec) -> InputError:
-    if spec.dataset is not None:
-        d = spec.dataset
-        return InputError(f"input.dataset {d.name!r}" + (f" config {d.config!r}" if d.config else "")
-                          + f" split {d.split!r}: no rows")
-    return InputError(f"input.path {spec.path!r}: no rows")
+    where = _dataset_name(spec.dataset) if spec.dataset is not None else f"input.path {spec.path!r}"
+    return InputError(f"{where}: no rows")
 
 
 def _read_parquet(spec: InputSpec, files: list[Path], pick, stop_after: int | None) -> pa.Table:
@@ -370,7 +372,7 @@ def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | 
 def _read_hub(d: DatasetSpec, stop_after: int | None) -> pa.Table | None:
     import datasets
 
-    what = f"input.dataset {d.name!r}" + (f" config {d.config!r}" if d.config else "") + f" split {d.split!r}"
+    what = _dataset_name(d)
     with _quiet_libraries():
         try:
             ds = datasets.load_dataset(d.name, d.config, split=d.split, revision=d.revision, streaming=True)
@@ -510,9 +512,13 @@ def _kinds(values: list) -> str:
     return " and ".join([", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
 
 
-def _describe(value) -> str:
-    """``a string ("notalist")``: a JSON value's kind and its JSON text (cut to 40 characters)."""
-    shown = json.dumps(value, ensure_ascii=False)
+def describe_value(value) -> str:
+    """``a string ("notalist")``: a cell value's kind and its JSON text (its repr where it is not JSON), cut
+    to 40 characters; for messages naming a cell of the wrong type."""
+    try:
+        shown = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        shown = repr(value)
     return f"{_kind(value)} ({shown if len(shown) <= 40 else shown[:37] + '...'})"
 
 
@@ -526,7 +532,7 @@ def _cell_errors(values: list, name: str, key: str, kind: str, ok) -> list[str |
     present = [v for v in values if v is not None]
     if present and not any(ok(v) for v in present):
         raise InputError(f"{key}: column {name!r} holds {_kinds(present)}, expected {kind}")
-    return [None if v is None or ok(v) else f"{key}: column {name!r} holds {_describe(v)}, expected {kind}"
+    return [None if v is None or ok(v) else f"{key}: column {name!r} holds {describe_value(v)}, expected {kind}"
             for v in values]
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 from .chat_template import ChatTemplateCompileError, ChatTemplateError
 from .errors import RowError
-from .inputs import InputRow
+from .inputs import InputRow, describe_value
 from .jobspec import InputSpec
 from .tokenizer import Tokenizer
 
@@ -40,33 +39,21 @@ def _check_messages(messages) -> list[dict]:
             ``ROLES`` (system, user, assistant, tool, developer).
     """
     if not isinstance(messages, list):
-        raise RowError(f"messages is {_what(messages)}, not a list")
+        raise RowError(f"messages is {describe_value(messages)}, not a list")
     if not messages:
         raise RowError("messages is empty")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             # a wrong non-null value is named (JSON input mixes types: "content": 5); a null one is plain
-            bad = (f"it is {_what(m)}" if not isinstance(m, dict) else
-                   next((f"{k!r} is {_what(m[k])}" for k in ("role", "content")
+            bad = (f"it is {describe_value(m)}" if not isinstance(m, dict) else
+                   next((f"{k!r} is {describe_value(m[k])}" for k in ("role", "content")
                          if m.get(k) is not None and not isinstance(m[k], str)), None))
             raise RowError(f"messages[{i}] needs string 'role' and 'content'" + (f"; {bad}" if bad else ""))
         if m["role"] not in ROLES:
             raise RowError(f"messages[{i}]: unknown role {m['role']!r} (expected {', '.join(ROLES[:-1])} or {ROLES[-1]})")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
-
-
-def _what(value) -> str:
-    """``an integer (5)``: the kind of a (JSON) value and its text, cut to 40 characters."""
-    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"),
-             (dict, "an object"))
-    kind = next((name for t, name in kinds if isinstance(value, t)), type(value).__name__)
-    try:
-        shown = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        shown = repr(value)
-    return f"{kind} ({shown if len(shown) <= 40 else shown[:37] + '...'})"
 
 
 @lru_cache(maxsize=8)
