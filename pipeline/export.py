@@ -38,6 +38,36 @@ class ExportError(RuntimeError):
         self.exit_code = exit_code
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The nearest existing parent of ``path`` that is not a directory (a file where a directory must be),
+    or None."""
+    return next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+
+
+def replace_beside(dest: Path, write) -> None:
+    """``write(tmp)`` to a temporary name in ``dest``'s directory (a file, or a directory), then rename it to
+    ``dest`` (a directory at ``dest`` is replaced only once the new one is complete), so a failed write leaves
+    ``dest`` as it was and no temporary file behind.
+
+    Raises:
+        OSError: the write or the rename failed.
+    """
+    tmp = dest.parent / f".{dest.name[:100]}.{os.getpid()}.tmp"
+    try:
+        write(tmp)
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        try:
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # it could not be made either (a parent that is a file, a read-only file system)
+
+
 def destination_error(option: str, path: str | Path, e: OSError, cls: type = ExportError) -> Exception:
     """``e``, raised while writing the destination ``path`` given as ``option`` (``--to``, ``--out``), as a
     ``cls`` (``ExportError``, or ``report.ReportError``) of one line naming the option, the path and the OS's
@@ -49,7 +79,7 @@ def destination_error(option: str, path: str | Path, e: OSError, cls: type = Exp
     else:
         reason = (str(e).splitlines() or [type(e).__name__])[0]
     if isinstance(e, (FileExistsError, NotADirectoryError)) or e.errno in (errno.EEXIST, errno.ENOTDIR):
-        blocker = next((a for a in path.parents if a.exists() and not a.is_dir()), None)
+        blocker = file_in_the_way(path)
         if blocker is not None:
             reason = f"{blocker} is a file, not a directory"
     space = e.errno in (errno.ENOSPC, errno.EDQUOT)
@@ -195,7 +225,7 @@ def _check_destination(out_dir: Path, to: Path, fmt: str, overwrite: bool) -> No
         if to.resolve() == out_dir.resolve() or out_dir.resolve() in to.resolve().parents:
             raise ExportError(f"--to {to}: inside the output dir {out_dir} (its readers would see the export as "
                               "results); write it elsewhere")
-        blocker = next((a for a in to.parents if a.exists() and not a.is_dir()), None)
+        blocker = file_in_the_way(to)
         if blocker is not None:
             raise ExportError(f"--to {to}: cannot write it: {blocker} is a file, not a directory")
         if not (to.exists() or to.is_symlink()):
@@ -208,34 +238,6 @@ def _check_destination(out_dir: Path, to: Path, fmt: str, overwrite: bool) -> No
             raise ExportError(f"--to {to}: a file, not a directory; not replacing it with a dataset directory")
     except OSError as e:
         raise destination_error("--to", to, e) from None
-
-
-def _write_beside(table: pa.Table, fmt: str, dest: Path) -> None:
-    """Write ``table`` to a temporary name in ``dest``'s directory, then rename it to ``dest`` (a directory
-    replaced only once the new one is complete), so a failed write leaves nothing at ``dest`` and no temporary
-    file behind.
-
-    Raises:
-        ExportError: the destination cannot be written (``destination_error``: its directory cannot be made,
-            a read-only or special file system, no space left); nothing was written.
-    """
-    tmp = dest.parent / f".{dest.name[:100]}.export-{os.getpid()}.tmp"
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        _write(table, fmt, tmp)
-        if dest.is_dir() and not dest.is_symlink():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except OSError as e:
-        raise destination_error("--to", dest, e) from None
-    finally:
-        try:
-            if tmp.is_dir() and not tmp.is_symlink():
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # it could not be made either (a parent that is a file, a read-only file system)
 
 
 def pivot_choices(table: pa.Table) -> pa.Table:
@@ -398,6 +400,10 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
         table = json_columns(table, structured.json if structured is not None else None)
     if join_input:
         table = _with_input(table, positions, job)
-    _write_beside(table, fmt, dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        replace_beside(dest, lambda tmp: _write(table, fmt, tmp))
+    except OSError as e:
+        raise destination_error("--to", dest, e) from None
     return ExportSummary(path=dest, format=fmt, rows=table.num_rows, columns=table.num_columns,
                          order="input" if by_input else "id")

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import jinja2
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .export import destination_error, read_committed
+from .export import destination_error, file_in_the_way, read_committed, replace_beside
 from .status import format_settings, job_status, recorded_totals
 
 # Chart files, written beside the HTML page: file name -> alt text.
@@ -171,26 +170,8 @@ def _save(fig, out_dir: Path, name: str, counts: bool = False) -> str:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if counts:
             ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    _replace_with(out_dir / name, lambda tmp: fig.savefig(tmp, format="png"))
+    replace_beside(out_dir / name, lambda tmp: fig.savefig(tmp, format="png"))
     return name
-
-
-def _replace_with(path: Path, write) -> None:
-    """``write(tmp)`` a temporary file beside ``path``, then rename it to ``path``: a failed write leaves
-    ``path`` as it was and no temporary file behind.
-
-    Raises:
-        OSError: the write or the rename failed.
-    """
-    tmp = path.with_name(f".{path.name}.report-{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # it could not be made either
 
 
 def _shown(value) -> str:
@@ -296,7 +277,7 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
     page = Path(out) if out is not None else out_dir / "report" / "report.html"
     option = "--out" if out is not None else "the default --out"
     try:
-        blocker = next((a for a in page.parents if a.exists() and not a.is_dir()), None)
+        blocker = file_in_the_way(page)
         if blocker is not None:
             raise ReportError(f"{option} {page}: cannot write it: {blocker} is a file, not a directory", exit_code=2)
         if page.is_dir():
@@ -336,7 +317,7 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
         runs=manifest.get("runs", []),
     )
     try:
-        _replace_with(page, lambda tmp: tmp.write_text(html, encoding="utf-8"))
+        replace_beside(page, lambda tmp: tmp.write_text(html, encoding="utf-8"))
     except OSError as e:
         raise destination_error(option, page, e, ReportError) from None
     return page
