@@ -19,7 +19,7 @@ import jinja2
 import yaml
 
 from .engine.params import GenerateParams
-from .engine.structured import StructuredOutputsParams
+from .engine.structured import KEYS, StructuredOutputsParams, problem_line
 from . import row_template
 from .errors import JobSpecError
 from .resolve import DEFAULT_MODEL
@@ -287,7 +287,9 @@ def structured_from_cell(text, where: str) -> StructuredOutputsParams:
     Raises:
         JobSpecError: one line starting with ``where``: not a string, not JSON, not a mapping, an unknown
             key, a value of the wrong type, or a schema / regex / grammar that does not compile
-            (``StructuredOutputsParams.from_mapping``; several problems joined by "; ").
+            (``StructuredOutputsParams.problem``); several problems joined by "; ", e.g.
+            "input.structured_column 'format' of row 'r9': unknown key 'extra' (known: ...)" or
+            "... of row 'r9': regex must be a string, got int 5".
     """
     if not isinstance(text, str):
         raise JobSpecError(f"{where}: must be a JSON string, got {type(text).__name__}")
@@ -295,7 +297,16 @@ def structured_from_cell(text, where: str) -> StructuredOutputsParams:
         data = json.loads(text)
     except ValueError as e:
         raise JobSpecError(f"{where}: is not JSON: {e}") from None
-    return StructuredOutputsParams.from_mapping(data, where)
+    if not isinstance(data, dict):
+        raise JobSpecError(f"{where}: must be a JSON object such as {{\"regex\": \"...\"}}, got {type(data).__name__}")
+    problems = _unknown_keys(data, KEYS, "")
+    params = StructuredOutputsParams(**{k: v for k, v in data.items() if k in KEYS})
+    found = params.problem()
+    if found is not None:
+        problems.append(problem_line("", *found))
+    if problems:
+        raise JobSpecError(f"{where}: " + "; ".join(problems))
+    return params
 
 
 # Generation keys an input column of the same name may set per row.
@@ -646,6 +657,18 @@ def _check_value(value, tp, where: str):
     return value
 
 
+def _unknown_keys(data: dict, known, where: str) -> list[str]:
+    """One problem per key of ``data`` not in ``known`` (at key path ``where``), with the closest known key."""
+    problems = []
+    for key in data:
+        if key not in known:
+            path = f"{where}.{key}" if where else str(key)
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
+            problems.append(f"unknown key {path!r}{hint}")
+    return problems
+
+
 def _build(cls, data, where: str):
     """The dataclass ``cls`` from mapping ``data`` (at key path ``where``).
 
@@ -658,12 +681,7 @@ def _build(cls, data, where: str):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     problems = _Problems()
-    for key in data:
-        if key not in fields:
-            path = f"{where}.{key}" if where else str(key)
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(fields)})"
-            problems.append(f"unknown key {path!r}{hint}")
+    problems += _unknown_keys(data, fields, where)
     kwargs = {}
     for name, f in fields.items():
         path = f"{where}.{name}" if where else name

@@ -19,7 +19,6 @@ no further token) ends with finish_reason "stop" without sampling an EOS.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import io
 import itertools
@@ -132,36 +131,7 @@ class StructuredOutputsParams:
         """
         found = self.problem()
         if found is not None:
-            raise JobSpecError(_where_line(where, *found))
-
-    @classmethod
-    def from_mapping(cls, data, where: str) -> StructuredOutputsParams:
-        """The constraint a ``generation.structured``-like mapping ``data`` names (an ``input.structured_column``
-        cell's), checked like the job key.
-
-        Raises:
-            JobSpecError: one line, ``"{where}: "`` then every problem joined by "; ": not a mapping, an
-                unknown key (with the closest known one), then ``problem()``'s, e.g.
-                "input.structured_column 'format' of row 'r9': unknown key 'extra' (known: ...)" or
-                "... of row 'r9': regex must be a string, got int 5".
-        """
-        if not isinstance(data, dict):
-            raise JobSpecError(f"{where}: must be a JSON object such as {{\"regex\": \"...\"}}, "
-                               f"got {type(data).__name__}")
-        problems = []
-        for k in data:
-            if k not in KEYS:
-                close = difflib.get_close_matches(str(k), KEYS, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(KEYS)})"
-                problems.append(f"unknown key {k!r}{hint}")
-        params = cls(**{k: v for k, v in data.items() if k in KEYS})
-        found = params.problem()
-        if found is not None:
-            key, text = found
-            problems.append(text if key is None else f"{key}{_joiner(text)}{text}")
-        if problems:
-            raise JobSpecError(f"{where}: " + "; ".join(problems))
-        return params
+            raise JobSpecError(problem_line(where, *found))
 
     def lark(self) -> str:
         """The llguidance grammar (its JSON form, as ``llguidance.grammar_from`` builds it).
@@ -196,15 +166,14 @@ def _is_set(value) -> bool:
     return value is not None and value is not False
 
 
-def _joiner(text: str) -> str:
-    """" " before a problem that reads on from its key ("must be ..."), ": " before any other."""
-    return " " if text.startswith("must ") else ": "
-
-
-def _where_line(where: str, key: str | None, text: str) -> str:
+def problem_line(where: str, key: str | None, text: str) -> str:
+    """A ``problem()`` as a line: ``where`` then the key (``where`` "": the key alone), joined to the text by
+    " " where it reads on from the key ("regex must be a string, ..."), else by ": "; ``key`` None: the
+    mapping's own problem after ``where``."""
     if key is None:
-        return f"{where}: {text}"
-    return f"{where}.{key}{_joiner(text)}{text}"
+        return f"{where}: {text}" if where else text
+    joiner = " " if text.startswith("must ") else ": "
+    return f"{where}.{key}{joiner}{text}" if where else f"{key}{joiner}{text}"
 
 
 @functools.lru_cache(maxsize=8)
