@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .jobspec import ROW_OVERRIDES, DatasetSpec, FilterSpec, InputSpec
-from .row_template import NullPrinted, environment
+from .row_template import NullPrinted, compile_template, environment
 
 
 class InputError(ValueError):
@@ -166,7 +166,7 @@ def _render_all(source: str, columns: dict[str, list], n: int) -> tuple[list[str
     Returns:
         (prompts, errors): per row, the text or None, and None or why rendering failed.
     """
-    template = environment().from_string(source)
+    template = compile_template(source)
     prompts, errors = [], []
     for i in range(n):
         values = {c: v[i] for c, v in columns.items()}

@@ -469,12 +469,20 @@ def test_an_n_override_column_past_the_cap_fails_its_row_only(tmp_path):
      "input.template does not compile: No test named 'nosuchtest'. (line 2)"),
     ("{{ prompt", "input.template does not compile: unexpected end of template, expected 'end of print "
                   "statement'. (line 1)"),
+    # jinja2 alone defers these to the first row that reaches them
+    ("{% if q %}\n{{ q | nosuchfilter }}{% endif %}",
+     "input.template does not compile: No filter named 'nosuchfilter'. (line 2)"),
+    ("{% if q is nosuchtest %}x{% endif %}", "input.template does not compile: No test named 'nosuchtest'. (line 1)"),
+    ("{{ q if q else (p | nosuchfilter) }}", "input.template does not compile: No filter named 'nosuchfilter'. (line 1)"),
+    ("{% filter nosuchfilter %}x{% endfilter %}",
+     "input.template does not compile: No filter named 'nosuchfilter'. (line 1)"),
 ])
 def test_a_template_that_does_not_compile_is_one_line(template, message):
     with pytest.raises(JobSpecError) as e:
         job_from_dict(minimal(input={"path": "x", "template": template}))
     assert str(e.value) == message
     assert job_from_dict(minimal(input={"path": "x", "template": "{{ prompt | upper }}"})).input.template
+    assert job_from_dict(minimal(input={"path": "x", "template": "{% if q is string %}{{ q | trim }}{% endif %}"}))
 
 
 @pytest.mark.parametrize("data, message", [
