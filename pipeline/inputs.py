@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .jobspec import ROW_OVERRIDES, DatasetSpec, FilterSpec, InputSpec
+from .resolve import hub_unreachable
 from .row_template import NullPrinted, compile_template, environment
 
 
@@ -370,9 +371,24 @@ def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | 
 
 
 def _read_hub(d: DatasetSpec, stop_after: int | None) -> pa.Table | None:
+    """The rows of hub dataset ``d`` (streamed; at least ``stop_after``), None when it has none.
+
+    Unless ``HF_HUB_OFFLINE`` is set or ``d.name`` is a local directory, one TCP connection to the hub
+    must open first (``resolve.hub_unreachable``): huggingface_hub retries a failed connection 5 times
+    over ~24 s before ``datasets`` gives up, and a streamed dataset cannot be read without the hub anyway.
+
+    Raises:
+        InputError: the hub cannot be reached, or the dataset cannot be loaded or read; one line.
+    """
     import datasets
+    import huggingface_hub
 
     what = _dataset_name(d)
+    if not huggingface_hub.is_offline_mode() and not Path(d.name).is_dir():
+        problem = hub_unreachable(huggingface_hub.constants.ENDPOINT)
+        if problem is not None:
+            raise InputError(f"{what}: cannot reach the Hugging Face hub ({problem}); offline, use input.path "
+                             "with local files")
     with _quiet_libraries():
         try:
             ds = datasets.load_dataset(d.name, d.config, split=d.split, revision=d.revision, streaming=True)

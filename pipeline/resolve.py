@@ -249,7 +249,7 @@ def _hub_download(repo_id: str, filename: str | None) -> Path:
         if huggingface_hub.is_offline_mode():
             raise ModelResolveError(f"model {spec!r}: not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE "
                                     f"is set; {remedy}")
-        problem = _hub_unreachable(huggingface_hub.constants.ENDPOINT)
+        problem = hub_unreachable(huggingface_hub.constants.ENDPOINT)
         if problem is not None:
             raise ModelResolveError(f"model {spec!r}: not in the Hugging Face cache ({cache}) and the Hugging Face "
                                     f"Hub is unreachable ({problem}); {remedy}")
@@ -292,7 +292,7 @@ def _from_hf_cache(hub, repo_id: str, filename: str | None) -> Path | None:
     return ggufs[0] if len(ggufs) == 1 else None
 
 
-def _hub_unreachable(endpoint: str, timeout: float = HUB_CONNECT_TIMEOUT_S) -> str | None:
+def hub_unreachable(endpoint: str, timeout: float = HUB_CONNECT_TIMEOUT_S) -> str | None:
     """Why no TCP connection to ``endpoint``'s host (or the proxy of ``$HTTPS_PROXY`` / ``$ALL_PROXY``
     that requests to it would use, unless ``$NO_PROXY`` exempts it) opens within ``timeout`` seconds,
     name lookup included; None when one does."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -224,6 +225,27 @@ def test_hub_dataset_offline_is_one_error_line(tmp_path):
         "error: input.dataset 'someone/some-dataset' split 'test': cannot reach the Hugging Face hub "
         "(Couldn't reach 'someone/some-dataset' on the Hub (OfflineModeIsEnabled)); offline, use input.path "
         "with local files"]
+
+
+def test_hub_dataset_unreachable_is_one_error_line_without_the_librarys_retries(tmp_path):
+    """Not offline, but nothing answers at the hub's address: the connection check names it at once
+    (huggingface_hub would retry 5 times over ~24 s, then datasets reports a LocalEntryNotFoundError)."""
+    job = {"model": "smollm2-135m-instruct", "output": {"dir": str(tmp_path / "out")},
+           "input": {"dataset": {"name": "someone/some-dataset", "split": "test"}, "template": TEMPLATE}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job), encoding="utf-8")
+    with socket.socket() as s:  # a local port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf"))
+    exe = Path(sys.executable).with_name("pipeline")
+    proc = subprocess.run([str(exe), "validate", str(tmp_path / "job.yaml")], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: input.dataset 'someone/some-dataset' split 'test': cannot reach the Hugging Face hub "
+        f"(127.0.0.1:{port}: Connection refused); offline, use input.path with local files"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_path_and_dataset_are_exclusive():

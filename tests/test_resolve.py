@@ -221,9 +221,9 @@ def test_hub_model_not_cached_is_one_error_line_at_once(tmp_path, hub):
                if k.lower() not in PROXY_VARS}
         reason = re.escape(f"the Hugging Face Hub is unreachable (127.0.0.1:{port}: Connection refused)")
     else:
-        from pipeline.resolve import _hub_unreachable
+        from pipeline.resolve import hub_unreachable
 
-        if _hub_unreachable("https://huggingface.co") is None:
+        if hub_unreachable("https://huggingface.co") is None:
             pytest.skip("the Hugging Face hub is reachable from here")
         env, reason = hub_env(tmp_path), r"the Hugging Face Hub is unreachable \((proxy )?[^()]+:\d+: [^()]+\)"
     proc, _ = pipeline_cli("run", str(hub_job(tmp_path, HUB_REPO)), env=env)
@@ -275,15 +275,15 @@ def test_cached_hub_gguf_resolves_offline(tmp_path, default_model_path):
 
 
 def test_connection_check_is_bounded_and_goes_through_the_proxy(monkeypatch):
-    from pipeline.resolve import _hub_unreachable
+    from pipeline.resolve import hub_unreachable
 
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
         monkeypatch.delenv(var.upper(), raising=False)
     port = closed_port()
-    assert _hub_unreachable(f"http://127.0.0.1:{port}") == f"127.0.0.1:{port}: Connection refused"
+    assert hub_unreachable(f"http://127.0.0.1:{port}") == f"127.0.0.1:{port}: Connection refused"
     monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{port}")
-    assert _hub_unreachable("https://hub.example") == f"proxy 127.0.0.1:{port}: Connection refused"
+    assert hub_unreachable("https://hub.example") == f"proxy 127.0.0.1:{port}: Connection refused"
     monkeypatch.setenv("NO_PROXY", "hub.example")  # direct, then: the name lookup below hangs
 
     answer = threading.Event()
@@ -293,6 +293,6 @@ def test_connection_check_is_bounded_and_goes_through_the_proxy(monkeypatch):
         raise OSError("late")
 
     monkeypatch.setattr(socket, "create_connection", hang)
-    assert _hub_unreachable("https://hub.example", timeout=0.2) == "hub.example:443: no connection within 0.2 s"
+    assert hub_unreachable("https://hub.example", timeout=0.2) == "hub.example:443: no connection within 0.2 s"
     assert not answer.is_set()  # it returned while the lookup was still hanging
     answer.set()
