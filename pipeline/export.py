@@ -246,7 +246,9 @@ def pivot_choices(table: pa.Table) -> pa.Table:
     ``num_tokens`` (list<int32>), ``is_greedy`` (list<bool>), each in choice order; ``pred`` (int32: the argmax
     of ``logprob_sum``), ``pred_norm`` (int32: the argmax of ``logprob_sum / num_tokens``; lm-evaluation-
     harness's ``acc_norm`` divides by the choice's length in characters instead), the first of a tie;
-    ``error`` (string): the first failed choice's error, and then ``pred`` and ``pred_norm`` are null.
+    ``error`` (string): the first failed choice's error, or which ``choice_index`` values are missing
+    when a row's committed choices are not 0..C-1; then ``pred`` and ``pred_norm`` are null. (A row whose
+    last choices are missing cannot be told from a shorter row here; runs commit a row's choices together.)
 
     Raises:
         ExportError: ``table`` is not a ``task: score`` output (no ``choice_index`` column).
@@ -264,6 +266,12 @@ def pivot_choices(table: pa.Table) -> pa.Table:
             j += 1
         rows = range(i, j)
         error = next((cols["error"][r] for r in rows if cols["error"][r] is not None), None)
+        indices = [cols["choice_index"][r] for r in rows]
+        if error is None and indices != list(range(len(indices))):  # a row committed in part (before runs
+            # committed a row's choices together): no argmax of some of its choices
+            missing = sorted(set(range(max(indices) + 1)) - set(indices))
+            error = (f"choice_index {', '.join(map(str, missing))} not committed (resume the run)" if missing
+                     else f"choice_index values {indices} are not 0..{len(indices) - 1}")
         lps, ntok = [cols["logprob_sum"][r] for r in rows], [cols["num_tokens"][r] for r in rows]
         out["id"].append(cols["id"][i])
         out["prompt"].append(cols["prompt"][i])

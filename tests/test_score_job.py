@@ -125,6 +125,37 @@ def test_export_pivot(scored, tmp_path):
     assert rows["q03"]["pred"] is None and "q03" in rows["q03"]["error"]
 
 
+def test_a_shard_never_ends_inside_a_row(tmp_path, tiny_model, questions, scored):
+    """4 choices a row, shards of 3 output rows: each row's choices are committed together (a stop between
+    commits then leaves no row with some of its choices), and the results are those of shards of 8."""
+    out = tmp_path / "out"
+    d = job_dict(tiny_model, questions, out)
+    d["output"]["shard_size"] = 3
+    run_job(job_from_dict(d), progress=False, echo=lambda _: None)
+    manifest = json.loads((out / "manifest.json").read_text())
+    shard_of = {}
+    for s in manifest["shards"]:
+        for r in pq.read_table(out / s["file"], columns=["id"]).to_pylist():
+            shard_of.setdefault(r["id"], set()).add(s["file"])
+    assert len(manifest["shards"]) >= ROWS // 2 and len(shard_of) == ROWS
+    assert {k: len(v) for k, v in shard_of.items() if len(v) != 1} == {}
+    cols, key = ["id", "choice_index", "logprob_sum", "error"], lambda r: (r["id"], r["choice_index"])  # noqa: E731
+    assert sorted(read(out).select(cols).to_pylist(), key=key) == sorted(read(scored[0]).select(cols).to_pylist(),
+                                                                         key=key)
+
+
+def test_pivot_of_a_row_committed_in_part_has_no_pred():
+    from pipeline.export import pivot_choices
+    t = pa.table({"id": ["a", "a", "b", "b", "b"], "choice_index": pa.array([0, 2, 0, 1, 2], pa.int32()),
+                  "prompt": ["p"] * 5, "choice": [" x", " z", " x", " y", " z"],
+                  "logprob_sum": [-3.0, -1.0, -3.0, -2.0, -1.0], "num_tokens": pa.array([1] * 5, pa.int32()),
+                  "is_greedy": [False] * 5, "error": pa.array([None] * 5, pa.string())})
+    rows = {r["id"]: r for r in pivot_choices(t).to_pylist()}
+    assert rows["a"]["pred"] is None and rows["a"]["pred_norm"] is None
+    assert rows["a"]["error"] == "choice_index 1 not committed (resume the run)"
+    assert rows["b"]["pred"] == 2 and rows["b"]["error"] is None
+
+
 @pytest.mark.parametrize("change, problem", [
     ({"choices_column": None}, "task: score needs exactly one of input.choices_column"),
     ({"continuation_column": "question"}, "task: score needs exactly one of"),

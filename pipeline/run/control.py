@@ -345,6 +345,10 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
         tps = (lm.engine.tokens_generated - tokens0) / elapsed if elapsed > 0 else 0.0
         return f"{f'{summary.rows_skipped} resumed, ' if summary.rows_skipped else ''}{tps:.1f} tok/s"
 
+    # task: score commits a row's choices together: a shard never ends inside a row, so a stop between
+    # commits leaves no row with some of its choices (export --pivot would take the argmax of those alone)
+    row_ends = set({r.id: (r.id, k) for r, k, _ in pending}.values()) if job.task == "score" else None
+
     def record(res: Result) -> None:
         buffer.append(res)
         if on_result is not None:
@@ -355,6 +359,8 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
         summary.prompt_tokens += (res.prompt_tokens or 0) if res.error is None else 0
         bar.set_postfix_str(postfix(), refresh=False)
         bar.update(1)
+        if row_ends is not None and res.key not in row_ends:
+            return
         if len(buffer) >= job.output.shard_size or time.monotonic() - last_flush >= job.output.flush_seconds:
             flush()
 
