@@ -129,6 +129,11 @@ def run(job_file, output_dir, limit, force, no_progress, retry_failed, redo_corr
         job = load_job(job_file)
         if ray_address is not None:
             job = dataclasses.replace(job, executor="ray", ray=dataclasses.replace(job.ray, address=ray_address))
+            try:  # the checks that executor: ray in the job file gets (a score job is refused)
+                job.ray.check()
+                job.check()
+            except JobSpecError as e:
+                raise JobSpecError(f"--ray: {e}") from None
         _check_model_spec(job.model)
         summary = run_job(job, output_dir=output_dir, limit=limit, force=force, retry_failed=retry_failed,
                           redo_corrupt=redo_corrupt, progress=not no_progress, echo=click.echo)

@@ -1,7 +1,7 @@
 """Job-file problems through the real CLI: `pipeline validate` and `pipeline run` print one `error:` line
 naming the key (no traceback) and exit 2 before the model loads: values past their upper bound (generation.n,
 memory sizes in GB, int32 sizes), a template with an unknown filter, a job file that is not UTF-8, a key
-repeated in one mapping, and an empty output dir (output.dir or --output-dir)."""
+repeated in one mapping, an empty output dir (output.dir or --output-dir), and --ray on a score job."""
 
 from __future__ import annotations
 
@@ -81,6 +81,20 @@ def test_run_empty_output_dir_option_is_an_error(work, value):
     (work / "job.yaml").write_text(BASE)
     proc = pipeline(work, "run", "job.yaml", "--no-progress", "--output-dir", value)
     assert proc.stderr.splitlines() == [f"error: --output-dir must be a non-empty path, got {value!r}"], proc.stderr
+    assert proc.returncode == 2
+    assert not (work / "out").exists()
+
+
+@pytest.mark.parametrize("address", ["local", "auto"])
+def test_run_with_ray_checks_the_job_as_executor_ray_does(work, address):
+    """--ray sets executor: ray; a score job (local only) is refused as in the job file, before Ray starts."""
+    pq.write_table(pa.table({"id": [1], "prompt": ["2+2="], "answer": [" 4"]}), work / "in.parquet")
+    (work / "job.yaml").write_text("model: smollm2-135m-instruct\ntask: score\ninput:\n  path: in.parquet\n"
+                                   "  id_column: id\n  continuation_column: answer\noutput:\n  dir: out\n")
+    proc = pipeline(work, "validate", "job.yaml")
+    assert proc.returncode == 0, proc.stderr
+    proc = pipeline(work, "run", "job.yaml", "--no-progress", "--ray", address)
+    assert proc.stderr.splitlines() == ["error: --ray: task: score runs with executor: local only"], proc.stderr
     assert proc.returncode == 2
     assert not (work / "out").exists()
 
