@@ -139,8 +139,9 @@ _OVERRIDE_TYPES = {
 
 def override_columns(spec: InputSpec, names) -> list[str]:
     """The input columns among ``names`` that set generation keys per row (none unless
-    ``spec.row_overrides``; the id/prompt/messages columns never do)."""
-    if not spec.row_overrides:
+    ``spec.row_overrides``, none for a ``task: score`` input, whose ``choices_column`` or
+    ``continuation_column`` is set: it generates nothing; the id/prompt/messages columns never do)."""
+    if not spec.row_overrides or spec.choices_column is not None or spec.continuation_column is not None:
         return []
     taken = {spec.id_column, spec.prompt_column, spec.messages_column, spec.choices_column,
              spec.continuation_column, spec.structured_column}

@@ -144,6 +144,26 @@ def test_a_shard_never_ends_inside_a_row(tmp_path, tiny_model, questions, scored
                                                                          key=key)
 
 
+def test_a_score_job_reads_no_generation_override_columns(tmp_path, tiny_model):
+    """A column named like a generation key is data to a score job: text in ``temperature`` does not stop
+    it (a generate job refuses that column's type), and the choices score as without the column."""
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "question": ["Is it hot?", "Is it cold?"],
+                             "choices": [[" yes", " no"], [" yes", " no"]], "temperature": ["hot", "cold"],
+                             "n": pa.array([0, -1], pa.int64())}), path)
+    run_job(job_from_dict(job_dict(tiny_model, path, tmp_path / "out")), progress=False, echo=lambda _: None)
+    got = read(tmp_path / "out").select(["id", "choice_index", "logprob_sum", "error"]).to_pylist()
+    pq.write_table(pq.read_table(path).drop_columns(["temperature", "n"]), path)
+    run_job(job_from_dict(job_dict(tiny_model, path, tmp_path / "plain")), progress=False, echo=lambda _: None)
+    assert len(got) == 4 and all(r["error"] is None for r in got)
+    assert got == read(tmp_path / "plain").select(["id", "choice_index", "logprob_sum", "error"]).to_pylist()
+    generate = {"input": {"path": str(path), "prompt_column": "question"}, "output": {"dir": "x"}}
+    pq.write_table(pa.table({"question": ["q"], "temperature": ["hot"]}), path)
+    from pipeline.inputs import InputError, read_rows
+    with pytest.raises(InputError, match="per-row override of generation.temperature"):
+        read_rows(job_from_dict(generate).input)
+
+
 def test_pivot_of_a_row_committed_in_part_has_no_pred():
     from pipeline.export import pivot_choices
     t = pa.table({"id": ["a", "a", "b", "b", "b"], "choice_index": pa.array([0, 2, 0, 1, 2], pa.int32()),
