@@ -185,15 +185,24 @@ def _input_positions(table: pa.Table, job: JobSpec | None) -> list[int | None]:
     return [where.get(i) for i in ids]
 
 
+def _free_name(name: str, taken: set[str], prefix: str) -> str:
+    """``name``, or with ``prefix`` put before it as often as needed to be none of ``taken`` (then added)."""
+    while name in taken:
+        name = prefix + name
+    taken.add(name)
+    return name
+
+
 def _with_input(table: pa.Table, positions: list[int | None], job: JobSpec) -> pa.Table:
     """``table`` plus the input's columns of each row's input row (nulls for rows no longer in the
-    input); the id column is left out (it is ``id``), and a name the results use gets an ``input_`` prefix."""
+    input); the id column is left out (it is ``id``), and a name the table uses gets an ``input_`` prefix
+    (as many as it takes to be unique)."""
     inp = read_input(job.input)
     inp = inp.drop_columns([c for c in (job.input.id_column,) if c in inp.column_names])
     taken = inp.take(pa.array([p if p is not None and p < inp.num_rows else None for p in positions], pa.int64()))
+    names = set(table.column_names)
     for name, column in zip(taken.column_names, taken.columns):
-        out_name = f"input_{name}" if name in table.column_names else name
-        table = table.append_column(out_name, column)
+        table = table.append_column(_free_name(name, names, "input_"), column)
     return table
 
 
@@ -302,7 +311,8 @@ def json_columns(table: pa.Table, schema: dict | None = None) -> pa.Table:
     completion holds, so a schema's optional fields always get a column. A field whose values are all strings,
     all booleans, or all numbers keeps that type (pyarrow's: string, bool, int64 or double); an object or an
     array, or a mix of types, is written as its JSON text (string), so the table stays flat. A field whose
-    name the results use gets a ``json_`` prefix.
+    name the results or ``json_error`` use gets a ``json_`` prefix, as many as it takes to be unique (a field
+    ``error``: ``json_json_error``).
 
     A row whose completion does not parse as a JSON object (a failed row, one cut by ``max_tokens``, a
     value that is not an object) is kept: its fields are null and ``json_error`` (string) says why; null
@@ -323,9 +333,10 @@ def json_columns(table: pa.Table, schema: dict | None = None) -> pa.Table:
         errors.append(error)
     names = list(dict.fromkeys([*(k for v in parsed if v is not None for k in v),
                                 *((schema or {}).get("properties") or {})]))
+    taken = {*table.column_names, "json_error"}
     for name in names:
         values = [None if v is None else v.get(name) for v in parsed]
-        table = table.append_column(f"json_{name}" if name in table.column_names else name, _flat_column(values))
+        table = table.append_column(_free_name(name, taken, "json_"), _flat_column(values))
     return table.append_column("json_error", pa.array(errors, pa.string()))
 
 

@@ -590,6 +590,32 @@ def test_export_json_fields_keeps_every_row(tiny_job_files, tmp_path):
         assert r["tags"] == (json.dumps(value["tags"]) if "tags" in value else None)
 
 
+def test_json_fields_named_like_a_column_get_unique_names(tmp_path):
+    """Fields named like a results column or ``json_error`` (the export's own column) get ``json_``
+    prefixes until unique: the table has no repeated name, and it is written and read back (Parquet and
+    JSONL; a repeated name made Parquet unreadable and JSONL fail)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.export import _write, json_columns
+
+    records = [{"ok": True, "error": "none", "json_error": "x", "json_json_error": 1, "id": 7}, {"ok": False}]
+    table = pa.table({"id": ["a", "b"], "completion": [json.dumps(r) for r in records],
+                      "error": pa.array([None, None], pa.string())})
+    out = json_columns(table, {"properties": {"error": {"type": "string"}, "extra": {}}})
+    assert out.column_names == ["id", "completion", "error", "ok", "json_json_error", "json_json_json_error",
+                                "json_json_json_json_error", "json_id", "extra", "json_error"]
+    rows = out.to_pylist()
+    assert rows[0]["json_json_error"] == "none" and rows[0]["json_json_json_error"] == "x"
+    assert rows[0]["json_json_json_json_error"] == 1 and rows[0]["json_id"] == 7 and rows[0]["id"] == "a"
+    assert [r["json_error"] for r in rows] == [None, None] and rows[1]["json_json_error"] is None
+    _write(out, "parquet", tmp_path / "t.parquet")
+    assert pq.read_table(tmp_path / "t.parquet").to_pylist() == rows
+    _write(out, "jsonl", tmp_path / "t.jsonl")
+    assert [json.loads(line)["json_json_error"] for line in (tmp_path / "t.jsonl").read_text().splitlines()] == [
+        "none", None]
+
+
 def test_warm_up_traces_the_constrained_step(tmp_path):
     """A structured job's warm-up traces the forward-only step its constrained rows decode with (compiled
     where the machine compiles), so the first row traces nothing."""
