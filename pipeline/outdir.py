@@ -104,14 +104,17 @@ def check_writable(out_dir: str | Path) -> None:
     does not exist yet in its nearest existing parent (nothing else is created), and removes it.
 
     Raises:
-        OutputError: ``output.dir '...' is not writable: Read-only file system`` (or ``Permission denied``, ...).
+        OutputError: ``output.dir '...' is not writable: Read-only file system`` (or ``Permission denied``, ...,
+            or a parent that is a file: ``a is a file, not a directory``).
         DiskFullError: not one byte fits (ENOSPC, EDQUOT).
     """
     where = Path(out_dir)
     while not where.exists() and where != where.parent:
         where = where.parent
     if not where.is_dir():
-        return  # a file in the way: shards.check_output_dir names it
+        if where == Path(out_dir):
+            return  # the output dir itself is a file: shards.check_output_dir names it
+        raise OutputError(f"output.dir {str(out_dir)!r} is not writable: {where} is a file, not a directory")
     try:
         fd, tmp = tempfile.mkstemp(prefix=".writable-", suffix=".tmp", dir=where)
     except OSError as e:

@@ -363,6 +363,17 @@ def test_a_read_only_output_dir_is_refused_before_the_model_loads(tiny_model, pr
     assert snapshot(rw / "out") == before
 
 
+def test_an_output_dir_under_a_file_is_refused_by_validate_as_by_run(tiny_model, prompts, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    job = write_job(tmp_path / "job.yaml", tiny_model, prompts, tmp_path / "afile" / "sub" / "out")
+    for command in ("validate", "run"):
+        proc = pipeline(command, job)
+        assert proc.stderr.splitlines() == [f"error: output.dir '{tmp_path / 'afile' / 'sub' / 'out'}' is not "
+                                            f"writable: {tmp_path / 'afile'} is a file, not a directory"], proc.stderr
+        assert proc.returncode == 2 and proc.stdout == ""
+    assert (tmp_path / "afile").read_text() == "x"
+
+
 def test_a_manifest_that_does_not_fit_commits_nothing(tmpfs):
     """The shard fits exactly, its manifest does not: nothing is committed, the manifest in memory is the one
     on disk (a later save cannot commit the shard), and the shard file is removed to give its space back."""
