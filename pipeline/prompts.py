@@ -184,8 +184,8 @@ def _row_messages(row: InputRow, spec: InputSpec) -> tuple[str | None, list[dict
         if not spec.apply_chat_template:
             return text, None
         messages = [{"role": "user", "content": text}]
-    if spec.system_prompt is not None and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": spec.system_prompt})
+    if spec.system_prompt is not None and not any(m["role"] in ("system", "developer") for m in messages):
+        messages.insert(0, {"role": "system", "content": spec.system_prompt})  # developer: OpenAI's newer system
     return text, messages
 
 
@@ -194,9 +194,9 @@ def build_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer) -> Prompt
 
     Rows with non-null ``messages`` use them; otherwise the ``prompt`` text, wrapped as one user turn
     when ``spec.apply_chat_template``. ``spec.system_prompt`` is prepended to conversations that have no
-    system turn. With ``spec.parse_special_tokens`` false (the default), special-token text inside the
-    prompt, the messages or the system prompt is encoded as plain text and only the template's own markup
-    becomes special tokens; true encodes the rendered template (or the raw prompt) with special tokens
+    system (or developer) turn anywhere. With ``spec.parse_special_tokens`` false (the default),
+    special-token text inside the prompt, the messages or the system prompt is encoded as plain text and
+    only the template's own markup becomes special tokens; true encodes the rendered template (or the raw prompt) with special tokens
     parsed, as HF transformers does. BOS is added only if the model asks for it and it is not already
     there.
 

@@ -73,6 +73,17 @@ def test_system_prompt_not_inserted_when_conversation_has_one(tok):
     assert "IGNORED" not in tok.decode(p.token_ids)
 
 
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "u1"}, {"role": "system", "content": "Be terse."}, {"role": "user", "content": "u2"}],
+    [{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "Hi"}],
+], ids=["system-later", "developer"])
+def test_system_prompt_not_inserted_when_a_later_or_developer_turn_is_the_system(tok, messages):
+    spec = InputSpec(path="x", messages_column="m", system_prompt="IGNORED")
+    p = build_prompt(row(messages=messages), spec, tok)
+    assert p.token_ids == template_ids(tok, messages)
+    assert "IGNORED" not in tok.decode(p.token_ids)
+
+
 def test_system_prompt_inserted_into_conversation_without_one(tok):
     spec = InputSpec(path="x", messages_column="m", system_prompt="Be terse.")
     messages = [{"role": "user", "content": "Hi"}]
