@@ -196,8 +196,8 @@ def build_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer) -> Prompt
     when ``spec.apply_chat_template``. ``spec.system_prompt`` is prepended to conversations that have no
     system (or developer) turn anywhere. With ``spec.parse_special_tokens`` false (the default),
     special-token text inside the prompt, the messages or the system prompt is encoded as plain text and
-    only the template's own markup becomes special tokens; true encodes the rendered template (or the raw prompt) with special tokens
-    parsed, as HF transformers does. BOS is added only if the model asks for it and it is not already
+    only the template's own markup becomes special tokens; true encodes the rendered template (or the raw
+    prompt) with special tokens parsed, as HF transformers does. BOS is added only if the model asks for it and it is not already
     there.
 
     Raises:
