@@ -197,8 +197,8 @@ def build_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer) -> Prompt
     system (or developer) turn anywhere. With ``spec.parse_special_tokens`` false (the default),
     special-token text inside the prompt, the messages or the system prompt is encoded as plain text and
     only the template's own markup becomes special tokens; true encodes the rendered template (or the raw
-    prompt) with special tokens parsed, as HF transformers does. BOS is added only if the model asks for it and it is not already
-    there.
+    prompt) with special tokens parsed, as HF transformers does. BOS is added only if the model asks for it
+    and it is not already there.
 
     Raises:
         RowError: null or empty prompt, malformed messages (empty, a message without string role and
