@@ -418,7 +418,7 @@ def bench(model, random_shape, prompt_tokens, max_tokens, trials, caches, varian
     prompt length, with mlx-lm's generate_step on the same weights in the same run. With --batch-size: job
     throughput (generated tokens / wall s) of batched decoding per batch size, greedy or sampled, random prompts
     or a prompts file, with mlx-lm's batch_generate."""
-    from .bench import BenchError, run_bench
+    from .bench import BenchError, BenchFailed, run_bench
 
     if variants is None:
         variants = "auto" if batch_sizes else "eager,compiled"
@@ -430,7 +430,10 @@ def bench(model, random_shape, prompt_tokens, max_tokens, trials, caches, varian
                   echo=click.echo, progress=lambda line: click.echo(line, err=True), batch_sizes=batch_sizes,
                   prompts=prompts, prompts_b1=prompts_b1, temperature=temperature, top_p=top_p,
                   prompts_file=prompts_file, prompt_column=prompt_column)
-    except (BenchError, *USER_ERRORS) as e:
+    except BenchError as e:  # the command line's settings: exit 2, as for click's own checks
+        _print_error(e)
+        sys.exit(2)
+    except (BenchFailed, *USER_ERRORS) as e:
         _fail(e)
 
 

@@ -194,7 +194,19 @@ def test_random_weights_quantized_in_chunks():
 
 def test_cli_needs_a_model():
     result = CliRunner().invoke(main, ["bench", "--prompt-tokens", "8"])
-    assert result.exit_code == 1 and "--random" in result.output
+    assert result.exit_code == 2 and "--random" in result.output
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--cache", "bogus"], "error: unknown cache kind 'bogus' (full, rotating:N, q8, q4, rotating-q8:N)"),
+    (["--cache", "rotating:0"], "error: cache kind 'rotating:0': SIZE must be a positive integer"),
+    (["--variants", "bogus"], "error: unknown variant 'bogus' (eager, compiled, fused, fused-replay, fused-layers)"),
+])
+def test_cli_bad_settings_are_one_line_exit_2(args, line):
+    """Bench settings the command line got wrong exit 2, as click's own checks (--prompt-tokens 0) do."""
+    result = CliRunner().invoke(main, ["bench", "--random", "tiny", "--prompt-tokens", "8", *args])
+    assert (result.exit_code, result.output.splitlines()) == (2, [line])
+    assert CliRunner().invoke(main, ["bench", "--random", "tiny", "--prompt-tokens", "0"]).exit_code == 2
 
 
 # --- batch mode (--batch-size): job throughput ----------------------------------------------------------
@@ -357,7 +369,7 @@ def test_batch_mode_rejects_bad_sampling_and_random_prompt_files(kwargs, message
 
 def test_job_throughput_settings_need_batch_size():
     result = CliRunner().invoke(main, ["bench", "--random", "tiny", "--prompt-tokens", "8", "--temperature", "0.8"])
-    assert result.exit_code == 1 and "--temperature: job throughput settings; add --batch-size" in result.output
+    assert result.exit_code == 2 and "--temperature: job throughput settings; add --batch-size" in result.output
 
 
 @pytest.mark.parametrize("dequantize", [True, False])

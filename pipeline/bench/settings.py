@@ -6,7 +6,13 @@ from ..jobspec import CacheSpec
 
 
 class BenchError(ValueError):
-    """Bad benchmark settings (unknown shape, unparsable cache kind, prompt too long for the model)."""
+    """Bad benchmark settings (unknown shape, unparsable cache kind, prompt too long for the model, a
+    prompts file that cannot be used): the command line's problem, exit 2."""
+
+
+class BenchFailed(RuntimeError):
+    """A benchmark run broke its own premise (the engine rejected a prompt, returned too few results, or
+    generated another token count than asked): a bug, exit 1."""
 
 
 def parse_cache_kind(text: str) -> dict:

@@ -24,7 +24,7 @@ from ..loader import compute_dtype
 from ..prompts import build_prompt
 from ..tokenizer import Tokenizer
 from .peer import PeerTokenizer, _peer_batch, load_peer, peer_sampler
-from .settings import BenchError, _cache_spec, _check_context, parse_cache_kind
+from .settings import BenchError, BenchFailed, _cache_spec, _check_context, parse_cache_kind
 from .shapes import _load_ours, weight_format
 from .tables import _batch_row_line, emit, result_document, same_format_peer
 from .timing import _job_record, _time_job
@@ -94,11 +94,11 @@ def _ours_batch(be: BatchEngine, prompts: list[list[int]], params: Callable[[int
     t0 = time.perf_counter()
     for tag, got in be.run(Request(i, p, params(i)) for i, p in enumerate(prompts)):
         if isinstance(got, Exception):
-            raise BenchError(f"BatchEngine rejected prompt {tag}: {got}")
+            raise BenchFailed(f"BatchEngine rejected prompt {tag}: {got}")
         counts[tag] = len(got.token_ids)
     wall = time.perf_counter() - t0
     if len(counts) != len(prompts):
-        raise BenchError(f"BatchEngine returned {len(counts)} of {len(prompts)} requests")
+        raise BenchFailed(f"BatchEngine returned {len(counts)} of {len(prompts)} requests")
     return _job_record(wall, [counts[i] for i in range(len(prompts))], compiled=be.compiled, path=be.path)
 
 
@@ -249,7 +249,7 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
         for t in row["trials"]:  # random prompts ignore EOS: exactly max_tokens each; real ones at most
             lo, hi = t["min_tokens_per_prompt"], t["max_tokens_per_prompt"]
             if hi > max_tokens or (not real and lo != max_tokens):
-                raise BenchError(f"{row['impl']} {row['variant']} B={row['batch_size']} generated "
+                raise BenchFailed(f"{row['impl']} {row['variant']} B={row['batch_size']} generated "
                                  f"{lo}-{hi} tokens per prompt, not {'up to ' * real}{max_tokens}")
         rows.append(row)
         progress(_batch_row_line(row))
