@@ -94,7 +94,8 @@ def main():
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.option("--output-dir", help="Write here instead of the job's output.dir (a non-empty path).")
-@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N input rows.")
+@click.option("--limit", type=click.IntRange(min=1),
+              help="Use only the first N rows the job selects (input.limit, if set, still caps them).")
 @click.option("--force", is_flag=True,
               help="Resume even if the job's settings or model changed, adding rows made with the new settings "
                    "(each row's settings stay recorded; pipeline status shows them).")

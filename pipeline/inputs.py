@@ -652,7 +652,8 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
 
     Args:
         spec: the job's input section.
-        limit: use only the first ``limit`` selected rows (overrides ``spec.limit`` when given).
+        limit: use only the first ``limit`` selected rows (``pipeline run --limit``): a cap within the job's
+            selection, so with ``spec.limit`` set the smaller of the two counts.
 
     Returns:
         (rows, id_type): rows in the order they are generated; id_type is ``pa.int64()`` or
@@ -666,7 +667,7 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
             an ``input.template`` that raises on every selected row that uses it (one that raises on some
             rows fails those rows).
     """
-    limit = limit if limit is not None else spec.limit
+    limit = min((n for n in (limit, spec.limit) if n is not None), default=None)
     whole = spec.filter is not None or spec.shuffle_seed is not None  # selecting needs every row
     table = read_table(spec, stop_after=None if whole else limit)
     # JSON columns whose values mix types (datasets gives them extension<arrow.json>) are checked per cell:

@@ -201,6 +201,19 @@ def test_shuffled_subset_is_reproducible_and_follows_filter_shuffle_limit(tmp_pa
     assert all(r.id == f"q{r.index}" for r in whole)
 
 
+def test_run_limit_caps_within_the_jobs_selection(tmp_path):
+    """``pipeline run --limit N`` (read_rows' limit) takes the first N of the job's selection: with
+    ``input.limit`` set, never more rows than the job selects."""
+    f = write_jsonl(tmp_path / "in.jsonl", questions(60))
+    sel = spec(path=str(f), id_column="qid", template=TEMPLATE, limit=3, shuffle_seed=3,
+               filter={"column": "lang", "equals": "en"})
+    job_rows, _ = read_rows(sel)
+    assert len(job_rows) == 3
+    assert read_rows(sel, 10)[0] == job_rows
+    assert read_rows(sel, 2)[0] == job_rows[:2]
+    assert len(read_rows(spec(path=str(f), id_column="qid", template=TEMPLATE), 10)[0]) == 10
+
+
 def test_shuffle_without_id_column_keys_rows_by_input_position(tmp_path):
     f = write_jsonl(tmp_path / "in.jsonl", questions(20))
     got, _ = read_rows(spec(path=str(f), template=TEMPLATE, shuffle_seed=5, filter={"column": "level", "equals": 1}))

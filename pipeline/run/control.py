@@ -210,7 +210,7 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
     Args:
         job: the validated job.
         output_dir: overrides ``job.output.dir``.
-        limit: use only the first ``limit`` input rows (overrides ``input.limit``).
+        limit: use only the first ``limit`` of the job's selected rows (``input.limit`` caps it too).
         force: resume even if the job's fingerprint changed; the rows this run commits are recorded as
             made with its settings (``ShardStore``), the committed ones keep theirs.
         retry_failed: generate committed rows whose ``error`` is set again, replacing them.
