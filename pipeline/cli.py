@@ -355,6 +355,7 @@ def inspect(model, as_json):
     from .describe import describe_model, format_description
 
     try:
+        _check_model_spec(model)  # as run and validate check the job's model: one line, exit 2
         d = describe_model(model)
     except USER_ERRORS as e:
         _fail(e)

@@ -354,6 +354,7 @@ def test_inspect_default_model(default_model_path):
 
 def test_inspect_missing_path(tmp_path):
     proc = subprocess.run(["pipeline", "inspect", str(tmp_path / "nope")], capture_output=True, text=True)
-    assert proc.returncode == 1 and proc.stdout == ""
-    lines = without_machine_warnings(proc.stderr)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0]
+    assert proc.returncode == 2 and proc.stdout == ""  # as run and validate do for the job's model
+    assert without_machine_warnings(proc.stderr) == [
+        f"error: model '{tmp_path / 'nope'}' is not a built-in alias (smollm2-135m-instruct), an existing .gguf "
+        "file or model directory, or a Hugging Face repo id"]
