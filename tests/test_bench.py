@@ -494,6 +494,12 @@ def test_prompts_file_errors(stopping_model, tmp_path):
     result = CliRunner().invoke(main, ["bench", str(model), "--batch-size", "1", "--prompts-file", str(data),
                                        "--prompt-column", "nope", "--no-peer"])
     assert result.exit_code == 2 and "nope" in result.output  # an input problem, as for a job
+    assert result.output.startswith("error: --prompts-file: ") and "loaded" not in result.output  # model not loaded
+    result = CliRunner().invoke(main, ["bench", str(model), "--batch-size", "1", "--prompts-file",
+                                       str(tmp_path / "missing.parquet"), "--no-peer"])
+    assert (result.exit_code, result.output.splitlines()) == (2, [
+        f"error: --prompts-file: input.path '{tmp_path / 'missing.parquet'}': no input files found (.parquet, "
+        ".jsonl, .json or .csv)"])
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"prompt": ["fine", ""]}), bad)
     with pytest.raises(bench.BenchError, match="row 1"):

@@ -18,7 +18,7 @@ import numpy as np
 from ..engine import BatchEngine, Engine, GenerateParams, Request
 from ..engine.sampler import row_seed
 from ..errors import RowError
-from ..inputs import read_rows
+from ..inputs import InputError, read_rows
 from ..jobspec import InputSpec
 from ..loader import compute_dtype
 from ..prompts import build_prompt
@@ -165,6 +165,12 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
     dtype = compute_dtype("auto")
     notes: list[str] = []
     skipped: list[dict] = []
+
+    if real:  # a missing file or column: before the model loads
+        try:
+            read_rows(InputSpec(path=str(prompts_file), prompt_column=prompt_column), 1)
+        except InputError as e:
+            raise BenchError(f"--prompts-file: {e}") from None
 
     bm = _load_ours(model, random, dtype, dequantize, seed, batch_size=max(batch_sizes))
     ours, args = bm.model, bm.model.args
