@@ -340,7 +340,10 @@ def convert(src, dst, overwrite):
 
     try:
         out = convert_gguf(src, dst, overwrite=overwrite)
-    except (FileExistsError, *USER_ERRORS) as e:
+    except FileExistsError as e:  # the command line's destination: exit 2, as export's
+        _print_error(e)
+        sys.exit(2)
+    except USER_ERRORS as e:
         _fail(e)
     click.echo(f"wrote {out}")
 

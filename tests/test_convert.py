@@ -34,7 +34,7 @@ def test_refuses_to_overwrite(converted, default_model_path):
     import subprocess
 
     proc = subprocess.run(["pipeline", "convert", str(default_model_path), str(converted)], capture_output=True, text=True)
-    assert proc.returncode == 1 and "already exists" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr == f"error: {converted} already exists (use --overwrite)\n"
 
 
 def test_logits_equal_gguf_path(converted, default_model_path, llamacpp_cases):
