@@ -367,7 +367,7 @@ def inspect(model, as_json):
 
 def _int_list(ctx, param, value):
     try:
-        out = [int(v) for v in value.split(",") if v.strip()]
+        out = [int(v) for v in value.split(",")]  # an empty item ("8,,16") is an error, not skipped
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
     if not out or min(out) < 1:

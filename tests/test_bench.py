@@ -207,6 +207,9 @@ def test_cli_bad_settings_are_one_line_exit_2(args, line):
     result = CliRunner().invoke(main, ["bench", "--random", "tiny", "--prompt-tokens", "8", *args])
     assert (result.exit_code, result.output.splitlines()) == (2, [line])
     assert CliRunner().invoke(main, ["bench", "--random", "tiny", "--prompt-tokens", "0"]).exit_code == 2
+    for bad in ("8,,16", "8,", " "):  # an empty item is not dropped
+        result = CliRunner().invoke(main, ["bench", "--random", "tiny", "--prompt-tokens", bad])
+        assert result.exit_code == 2 and "expected comma-separated integers" in result.output, bad
 
 
 # --- batch mode (--batch-size): job throughput ----------------------------------------------------------
