@@ -59,10 +59,10 @@ def _print_error(e: Exception) -> None:
         click.echo(f"error: {line}", err=True)
 
 
-def _fail(e: Exception):
-    """Print ``e`` (one line per problem) and exit 2 for ``JOB_ERRORS``, else 1."""
+def _fail(e: Exception, exit_code: int | None = None):
+    """Print ``e`` (one line per problem) and exit ``exit_code``; None: 2 for ``JOB_ERRORS``, else 1."""
     _print_error(e)
-    sys.exit(2 if isinstance(e, JOB_ERRORS) else 1)
+    sys.exit(exit_code if exit_code is not None else 2 if isinstance(e, JOB_ERRORS) else 1)
 
 
 @click.group()
@@ -300,8 +300,7 @@ def export(out_dir, to, join_input, overwrite, pivot, json_fields):
         summary = export_results(out_dir, to, join_input=join_input, overwrite=overwrite,
                                  warn=lambda line: click.echo(line, err=True), pivot=pivot, json_fields=json_fields)
     except ExportError as e:  # the command line or its destination: exit 2 (1 when no space was left)
-        _print_error(e)
-        sys.exit(e.exit_code)
+        _fail(e, e.exit_code)
     except USER_ERRORS as e:
         _fail(e)
     click.echo(summary.line())
@@ -323,8 +322,7 @@ def report(out_dir, out):
     try:
         page = write_report(out_dir, out)
     except ReportError as e:  # exit 2 for the command line or --out, 1 for a missing matplotlib or no space left
-        _print_error(e)
-        sys.exit(e.exit_code)
+        _fail(e, e.exit_code)
     except USER_ERRORS as e:
         _fail(e)
     click.echo(f"wrote {page}")
@@ -341,8 +339,7 @@ def convert(src, dst, overwrite):
     try:
         out = convert_gguf(src, dst, overwrite=overwrite)
     except FileExistsError as e:  # the command line's destination: exit 2, as export's
-        _print_error(e)
-        sys.exit(2)
+        _fail(e, 2)
     except USER_ERRORS as e:
         _fail(e)
     click.echo(f"wrote {out}")
@@ -436,8 +433,7 @@ def bench(model, random_shape, prompt_tokens, max_tokens, trials, caches, varian
                   prompts=prompts, prompts_b1=prompts_b1, temperature=temperature, top_p=top_p,
                   prompts_file=prompts_file, prompt_column=prompt_column)
     except BenchError as e:  # the command line's settings: exit 2, as for click's own checks
-        _print_error(e)
-        sys.exit(2)
+        _fail(e, 2)
     except (BenchFailed, *USER_ERRORS) as e:
         _fail(e)
 
