@@ -18,7 +18,7 @@ import numpy as np
 from ..engine import BatchEngine, Engine, GenerateParams, Request
 from ..engine.sampler import row_seed
 from ..errors import RowError
-from ..inputs import InputError, read_rows
+from ..inputs import InputError, InputRow, read_rows
 from ..jobspec import InputSpec
 from ..loader import compute_dtype
 from ..prompts import build_prompt
@@ -50,22 +50,34 @@ def distinct_prompts(rng: np.random.Generator, count: int, length: int, vocab: i
     return out
 
 
-def file_prompts(path: str | Path, column: str, tokenizer: Tokenizer, limit: int | None = None) -> list[list[int]]:
-    """Prompt token ids of the first ``limit`` rows (None: every row) of the input ``path``, built as a job
-    with ``input: {path: PATH, prompt_column: COLUMN}`` (every other input key at its default) builds them:
-    ``inputs.read_rows``, then ``prompts.build_prompt`` (the chat template with one user turn, one BOS if
-    the model asks for it, special-token text in the data encoded as plain text).
+def file_rows(path: str | Path, column: str, limit: int | None = None) -> tuple[InputSpec, list[InputRow]]:
+    """The first ``limit`` rows (None: every row) of the input ``path``, read as a job with ``input: {path:
+    PATH, prompt_column: COLUMN}`` (every other input key at its default) reads them (``inputs.read_rows``),
+    and that input spec; before the model loads, so a bad file or column costs no load.
 
     Raises:
-        InputError: the file or the column cannot be read.
+        BenchError: the file or the column cannot be read (``--prompts-file: `` and the input's message).
+    """
+    spec = InputSpec(path=str(path), prompt_column=column)
+    try:
+        rows, _ = read_rows(spec, limit)
+    except InputError as e:
+        raise BenchError(f"--prompts-file: {e}") from None
+    return spec, rows
+
+
+def file_prompts(spec: InputSpec, rows: list[InputRow], tokenizer: Tokenizer) -> list[list[int]]:
+    """Prompt token ids of ``rows`` (``file_rows``), built as a job builds them: ``prompts.build_prompt``
+    (the chat template with one user turn, one BOS if the model asks for it, special-token text in the data
+    encoded as plain text).
+
+    Raises:
         BenchError: the model has no chat template, or a row a job would fail (a null or empty prompt),
             naming its id.
     """
     if not tokenizer.chat_template:
         raise BenchError("--prompts-file: the model has no chat template (a job needs "
                          "input.apply_chat_template: false for it; the benchmark runs jobs with the template)")
-    spec = InputSpec(path=str(path), prompt_column=column)
-    rows, _ = read_rows(spec, limit)
     out = []
     for row in rows:
         try:
@@ -73,7 +85,7 @@ def file_prompts(path: str | Path, column: str, tokenizer: Tokenizer, limit: int
                 raise RowError(row.error)
             out.append(build_prompt(row, spec, tokenizer).token_ids)
         except RowError as e:
-            raise BenchError(f"{path}: row {row.id!r}: {e}") from None
+            raise BenchError(f"{spec.path}: row {row.id!r}: {e}") from None
     return out
 
 
@@ -166,11 +178,9 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
     notes: list[str] = []
     skipped: list[dict] = []
 
-    if real:  # a missing file or column: before the model loads
-        try:
-            read_rows(InputSpec(path=str(prompts_file), prompt_column=prompt_column), 1)
-        except InputError as e:
-            raise BenchError(f"--prompts-file: {e}") from None
+    if real:  # read before the model loads: a missing file or column costs no load
+        file_spec, rows = file_rows(prompts_file, prompt_column,
+                                    None if prompts is None else max(prompts, prompts_b1 or 0))
 
     bm = _load_ours(model, random, dtype, dequantize, seed, batch_size=max(batch_sizes))
     ours, args = bm.model, bm.model.args
@@ -180,8 +190,7 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
 
     file_info = None
     if real:
-        want = None if prompts is None else max(prompts, prompts_b1 or 0)
-        all_prompts = file_prompts(prompts_file, prompt_column, bm.tokenizer, want)
+        all_prompts = file_prompts(file_spec, rows, bm.tokenizer)
         if not all_prompts:
             raise BenchError(f"{prompts_file} has no rows")
         prompts = len(all_prompts) if prompts is None else prompts
