@@ -275,12 +275,11 @@ def pivot_choices(table: pa.Table) -> pa.Table:
             j += 1
         rows = range(i, j)
         error = next((cols["error"][r] for r in rows if cols["error"][r] is not None), None)
-        indices = [cols["choice_index"][r] for r in rows]
-        if error is None and indices != list(range(len(indices))):  # a row committed in part (before runs
-            # committed a row's choices together): no argmax of some of its choices
-            missing = sorted(set(range(max(indices) + 1)) - set(indices))
-            error = (f"choice_index {', '.join(map(str, missing))} not committed (resume the run)" if missing
-                     else f"choice_index values {indices} are not 0..{len(indices) - 1}")
+        # a row committed in part (before runs committed a row's choices together): no argmax of some of them
+        indices = {cols["choice_index"][r] for r in rows}
+        missing = sorted(set(range(max(indices) + 1)) - indices)
+        if error is None and missing:
+            error = f"choice_index {', '.join(map(str, missing))} not committed (resume the run)"
         lps, ntok = [cols["logprob_sum"][r] for r in rows], [cols["num_tokens"][r] for r in rows]
         out["id"].append(cols["id"][i])
         out["prompt"].append(cols["prompt"][i])

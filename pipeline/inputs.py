@@ -143,8 +143,7 @@ def override_columns(spec: InputSpec, names) -> list[str]:
     ``continuation_column`` is set: it generates nothing; the id/prompt/messages columns never do)."""
     if not spec.row_overrides or spec.choices_column is not None or spec.continuation_column is not None:
         return []
-    taken = {spec.id_column, spec.prompt_column, spec.messages_column, spec.choices_column,
-             spec.continuation_column, spec.structured_column}
+    taken = {spec.id_column, spec.prompt_column, spec.messages_column, spec.structured_column}
     return [c for c in ROW_OVERRIDES if c in names and c not in taken]
 
 
