@@ -1,5 +1,6 @@
 import json
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -13,6 +14,13 @@ import pipeline  # noqa: F401, E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def closed_port() -> int:
+    """A local TCP port nothing listens on (connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

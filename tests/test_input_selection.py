@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from conftest import closed_port
 from pipeline.inputs import InputError, read_rows
 from pipeline.jobspec import JobSpecError, job_from_dict
 
@@ -225,14 +225,19 @@ def test_shuffle_without_id_column_keys_rows_by_input_position(tmp_path):
     assert [r.id for r in more if r.id < 20] == [r.id for r in got]
 
 
-def test_hub_dataset_offline_is_one_error_line(tmp_path):
+def _validate_hub_job(tmp_path, env: dict) -> subprocess.CompletedProcess:
+    """``pipeline validate`` of a job reading hub dataset someone/some-dataset, in environment ``env``."""
     job = {"model": "smollm2-135m-instruct", "output": {"dir": str(tmp_path / "out")},
            "input": {"dataset": {"name": "someone/some-dataset", "split": "test"}, "template": TEMPLATE}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job), encoding="utf-8")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     exe = Path(sys.executable).with_name("pipeline")
-    proc = subprocess.run([str(exe), "validate", str(tmp_path / "job.yaml")], capture_output=True, text=True,
+    return subprocess.run([str(exe), "validate", str(tmp_path / "job.yaml")], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=300)
+
+
+def test_hub_dataset_offline_is_one_error_line(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = _validate_hub_job(tmp_path, env)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
         "error: input.dataset 'someone/some-dataset' split 'test': cannot reach the Hugging Face hub "
@@ -243,17 +248,10 @@ def test_hub_dataset_offline_is_one_error_line(tmp_path):
 def test_hub_dataset_unreachable_is_one_error_line_without_the_librarys_retries(tmp_path):
     """Not offline, but nothing answers at the hub's address: the connection check names it at once
     (huggingface_hub would retry 5 times over ~24 s, then datasets reports a LocalEntryNotFoundError)."""
-    job = {"model": "smollm2-135m-instruct", "output": {"dir": str(tmp_path / "out")},
-           "input": {"dataset": {"name": "someone/some-dataset", "split": "test"}, "template": TEMPLATE}}
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job), encoding="utf-8")
-    with socket.socket() as s:  # a local port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = closed_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and "proxy" not in k.lower()}
     env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "hf"))
-    exe = Path(sys.executable).with_name("pipeline")
-    proc = subprocess.run([str(exe), "validate", str(tmp_path / "job.yaml")], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=300)
+    proc = _validate_hub_job(tmp_path, env)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
         f"error: input.dataset 'someone/some-dataset' split 'test': cannot reach the Hugging Face hub "

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from conftest import closed_port
 from pipeline.resolve import ALIASES, DEFAULT_MODEL, ModelResolveError, WheelModel, fetch_wheel_model, resolve_model
 
 
@@ -171,13 +172,6 @@ HUB_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ROOT = Path(__file__).resolve().parent.parent
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def closed_port() -> int:
-    """A local TCP port nothing listens on (connections are refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hub_env(tmp_path, **extra) -> dict:
