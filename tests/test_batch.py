@@ -206,6 +206,24 @@ def test_rows_of_very_different_lengths_reuse_slots(llama):
             assert g.token_ids == ref[r.tag].token_ids, (B, r.tag)
 
 
+def test_a_row_ending_at_the_capacity_leaves_its_neighbours_alone(llama):
+    """A row whose prompt + max_tokens is exactly the buffers' capacity (256 here) ends while another row
+    goes on decoding: the idle slot's later writes stay inside its own buffer. Its position used to stay
+    at the capacity, one past the end, so each later step wrote there: into the next slot's first
+    position (the neighbour's tokens changed) or past the whole buffer (a crash)."""
+    engine = engine_for(llama)
+    rng = np.random.default_rng(3)
+    full = Request("full", [int(t) for t in rng.integers(0, VOCAB, 250)], GenerateParams(max_tokens=6))
+    other = Request("other", [int(t) for t in rng.integers(0, VOCAB, 12)], GenerateParams(max_tokens=24))
+    ref = sequential(engine, [full, other])
+    for order in ([full, other], [other, full]):  # the full row in the first slot, then in the last
+        be = BatchEngine(engine, 2, 256)
+        assert {k.capacity for k in be.kinds} == {256}
+        got = run_all(be, order)
+        assert got["full"].token_ids == ref["full"].token_ids
+        assert got["other"].token_ids == ref["other"].token_ids, [r.tag for r in order]
+
+
 def test_requests_are_pulled_only_when_a_slot_is_free(llama):
     engine = engine_for(llama)
     pulled = []

@@ -25,7 +25,8 @@ a row's token and logprobs never depend on its neighbours (on the CPU they are b
 ``sampler.sample_step`` gives the request alone on that row); a batch of plain greedy requests takes
 the step's argmax. The step shape (B slots, ``capacity`` positions) is fixed for a run, so the
 arithmetic a request sees does not depend on which requests share the batch or how many of them are
-active (idle slots run on zeros); it differs from batch-1 decoding in the last bits because
+active (idle slots run on zeros, at position 0 of their own buffers: a slot whose request ended keeps no position
+that could reach past its buffers); it differs from batch-1 decoding in the last bits because
 different matmul shapes run (docs/BENCHMARKS.md measures how often greedy completions differ).
 
 The step is ``mx.compile``d per ``(layer kinds, B)`` (``engine.compile``; "auto" as in sequential
@@ -217,6 +218,7 @@ class BatchEngine:
 
             def step(tokens, pos, active, *buffers):
                 self.trace_count += self.compiled
+                pos = pos * active  # an idle slot writes at position 0 of its own buffers
                 masks: dict = {}
                 views = [BatchView(k, buffers[2 * i], buffers[2 * i + 1], pos, start, masks)
                          for i, (k, start) in enumerate(zip(kinds, starts))]
@@ -261,6 +263,7 @@ class BatchEngine:
 
             def step(tokens, pos, active, *buffers):
                 self.trace_count += self.compiled
+                pos = pos * active  # as in the generic step
                 logits = dec.step(tokens, pos, None, buffers).astype(mx.float32)
                 return (logits, mx.argmax(logits, axis=-1).astype(mx.uint32), pos + active, *buffers)
 
