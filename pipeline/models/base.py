@@ -25,6 +25,7 @@ class BaseModelArgs:
     def from_dict(cls, config: dict):
         """Build from a HF ``config.json`` dict: unknown keys are ignored, missing required keys raise
         ``ConfigError`` naming them."""
+        config = _flat_rope(config)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         missing = [
             name
@@ -38,6 +39,40 @@ class BaseModelArgs:
             if name in config and not _matches(config[name], hints[name]):
                 raise ConfigError(f"model config key {name!r} must be {_type_name(hints[name])}, got {config[name]!r}")
         return cls(**{k: v for k, v in config.items() if k in fields})
+
+
+def _flat_rope(config: dict) -> dict:
+    """``config`` with transformers >= 5's ``rope_parameters`` also given under the keys of earlier configs
+    (``rope_theta``, ``rope_scaling``, and Gemma 3's ``rope_local_base_freq``), which the model families
+    read. ``rope_parameters`` is either one dict (``{"rope_type": ..., "rope_theta": ..., "factor": ...}``)
+    or, for models whose layer types differ (Gemma 3), one per layer type (``full_attention``,
+    ``sliding_attention``). A key the config sets itself (not null) wins. The input dict is not changed.
+
+    Raises:
+        ConfigError: ``rope_parameters`` (or one of its per-layer-type entries) is not a dict.
+    """
+    params = config.get("rope_parameters")
+    if params is None:
+        return config
+    if not isinstance(params, dict):
+        raise ConfigError(f"model config key 'rope_parameters' must be dict, got {params!r}")
+    flat = dict(config)
+
+    def give(key, value):
+        if value is not None and flat.get(key) is None:
+            flat[key] = value
+
+    per_type = {k: params[k] for k in ("full_attention", "sliding_attention") if k in params}
+    for kind, entry in per_type.items():
+        if not isinstance(entry, dict):
+            raise ConfigError(f"model config key 'rope_parameters.{kind}' must be dict, got {entry!r}")
+    full = per_type.get("full_attention", params if not per_type else None)
+    if full is not None:
+        give("rope_theta", full.get("rope_theta"))
+        give("rope_scaling", full)
+    if "sliding_attention" in per_type:
+        give("rope_local_base_freq", per_type["sliding_attention"].get("rope_theta"))
+    return flat
 
 
 def _options(tp) -> tuple:

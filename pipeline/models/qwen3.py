@@ -26,25 +26,14 @@ class ModelArgs(BaseModelArgs):
     max_position_embeddings: int
     head_dim: int
     tie_word_embeddings: bool
-    rope_theta: float | None = None
+    rope_theta: float
     rope_scaling: dict | None = None
-    rope_parameters: dict | None = None
 
     # Architecture constants, not config keys (ClassVar keeps them out of from_dict).
     rope_traditional: ClassVar[bool] = False
     qkv_bias: ClassVar[bool] = False
     qk_norm: ClassVar[bool] = True
     mlp_bias: ClassVar[bool] = False
-
-    def __post_init__(self):
-        # transformers >= 5 nests rope_theta and the scaling under rope_parameters.
-        if self.rope_parameters:
-            if self.rope_theta is None:
-                self.rope_theta = self.rope_parameters.get("rope_theta")
-            if self.rope_scaling is None:
-                self.rope_scaling = self.rope_parameters
-        if self.rope_theta is None:
-            raise ConfigError("model config lacks required key(s): rope_theta")
 
 
 class Model(qwen2.Model):

@@ -42,6 +42,16 @@ def make_rope(dims: int, base: float, traditional: bool = False, scaling: dict |
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if kind == "default":
         return nn.RoPE(dims, traditional=traditional, base=base)
+    if kind not in ("linear", "llama3"):
+        raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    for key in ("factor",) + (("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                              if kind == "llama3" else ()):
+        value = scaling.get(key)
+        if (value is None and key == "factor") or (value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0)):
+            raise ConfigError(f"rope_scaling {kind!r} needs {key!r} as a positive number, got {value!r}")
+    if kind == "llama3" and scaling.get("low_freq_factor", 1.0) == scaling.get("high_freq_factor", 4.0):
+        raise ConfigError("rope_scaling 'llama3' needs low_freq_factor != high_freq_factor")
     if kind == "linear":
         return nn.RoPE(dims, traditional=traditional, base=base, scale=1.0 / scaling["factor"])
     if kind == "llama3":
