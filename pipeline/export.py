@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from .inputs import InputError, read_input
 from .jobspec import JobSpec, JobSpecError, job_from_dict
-from .shards import OutputError, read_manifest, read_shard_verified
+from .shards import read_consistent, read_shard_verified
 
 FORMATS = ("parquet", "jsonl", "hf-dir")
 _JSON_DECIMALS = 15  # pandas' most; floats in JSON Lines keep 15 decimal places
@@ -120,10 +120,8 @@ def read_committed(out_dir: str | Path, warn: Callable[[str], None] | None = Non
             sha256 differ from the manifest's) or unreadable; the line names it and the way out.
     """
     out_dir = Path(out_dir)
-    manifest = read_manifest(out_dir)
-    if manifest is None:
-        raise OutputError(f"{out_dir}: no manifest.json (not a pipeline output directory, or nothing committed yet)")
-    tables = [read_shard_verified(out_dir, s) for s in manifest["shards"]]
+    # one manifest's shards, though a run may commit (and --retry-failed delete rewritten shards) meanwhile
+    manifest, tables = read_consistent(out_dir, lambda m: [read_shard_verified(out_dir, s) for s in m["shards"]])
     unhashed = [s["file"] for s in manifest["shards"] if "sha256" not in s]
     if unhashed and warn is not None:
         warn(f"note: {len(unhashed)} committed shard(s) record no sha256 (an older manifest), so their bytes "

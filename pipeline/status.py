@@ -6,12 +6,11 @@ import json
 from pathlib import Path
 
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from .inputs import InputError, read_rows
 from .jobspec import JobSpecError, job_from_dict
 from .run.plan import plan_samples
-from .shards import OutputError, check_shards, diff_fields, key_column, read_committed, read_manifest
+from .shards import check_shards, diff_fields, key_column, read_committed, read_consistent, read_shard
 
 _COLUMNS = ["id", "sample_index", "error", "completion_tokens", "total_s", "decode_tps"]
 
@@ -45,14 +44,17 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
             damaged (one line each, naming the shard and the way out).
     """
     out_dir = Path(out_dir)
-    manifest = read_manifest(out_dir)
-    if manifest is None:
-        raise OutputError(f"{out_dir}: no manifest.json (not a pipeline output directory, or nothing committed yet)")
-    check = check_shards(out_dir, manifest["shards"], footer=verify, digest=lambda _: verify)
-    check.raise_bad()
-    key = key_column(manifest.get("fingerprint"))
-    scored = key == "choice_index"  # task: score: no generated tokens
-    table = read_committed(out_dir, manifest, ["id", key, "error", "total_s"] if scored else _COLUMNS)
+
+    def snapshot(manifest: dict):
+        check = check_shards(out_dir, manifest["shards"], footer=verify, digest=lambda _: verify)
+        check.raise_bad()
+        key = key_column(manifest.get("fingerprint"))
+        scored = key == "choice_index"  # task: score: no generated tokens
+        table = read_committed(out_dir, manifest, ["id", key, "error", "total_s"] if scored else _COLUMNS)
+        return check, key, scored, table, None if scored else prefix_hits(out_dir, manifest)
+
+    # one manifest's shards, though a run may commit (and --retry-failed delete rewritten shards) meanwhile
+    manifest, (check, key, scored, table, hits) = read_consistent(out_dir, snapshot)
     runs = manifest.get("runs", [])
     timed = recorded_totals(runs)
     done = 0 if table is None else table.num_rows
@@ -72,8 +74,8 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         "pending_error": None,
         "eta_s": None,
     }
-    if not scored:
-        status.update(prefix_hits(out_dir, manifest))
+    if hits is not None:
+        status.update(hits)
     if verify:
         status["verified"] = {"shards": len(manifest["shards"]), "hashed": check.hashed, "unhashed": check.unhashed}
     timed_rows = timed["rows"]
@@ -109,10 +111,9 @@ def prefix_hits(out_dir: Path, manifest: dict) -> dict:
     prompt tokens of those rows) as ints, ``prefix_hit_rate`` their ratio (None when no row records it)."""
     cached = total = 0
     for entry in manifest["shards"]:
-        with pq.ParquetFile(Path(out_dir) / entry["file"]) as f:
-            if "cached_prompt_tokens" not in f.schema_arrow.names:
-                continue
-            t = f.read(columns=["prompt_tokens", "cached_prompt_tokens", "error"])
+        t = read_shard(out_dir, entry, ["prompt_tokens", "cached_prompt_tokens", "error"], present=True)
+        if "cached_prompt_tokens" not in t.column_names:
+            continue
         ok = t.filter(pc.is_null(t.column("error")))
         cached += int(pc.sum(ok.column("cached_prompt_tokens")).as_py() or 0)
         total += int(pc.sum(ok.column("prompt_tokens")).as_py() or 0)
