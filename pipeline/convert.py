@@ -32,21 +32,47 @@ def unpermute_rows(n_rows: int, n_heads: int) -> mx.array:
     return mx.array(idx.astype(np.int32))
 
 
+# What ``write_model_dir`` writes: a directory holding only these files is one an earlier convert wrote.
+MODEL_DIR_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+                   "generation_config.json")
+
+
+def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    """Refuse a ``dst`` that exists, unless ``overwrite`` and it is an empty directory or one an earlier
+    convert wrote (regular files named in ``MODEL_DIR_FILES``, ``config.json`` among them) not holding
+    ``src``: anything else in it would be deleted with it, as ``export --overwrite`` refuses a directory that
+    is not a saved dataset."""
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{dst} already exists (use --overwrite)")
+    if dst.is_symlink() or not dst.is_dir():
+        raise FileExistsError(f"{dst}: exists and is not a directory; not replacing it")
+    if dst.resolve() in src.resolve().parents:
+        raise FileExistsError(f"{dst}: holds the source {src}; not replacing it")
+    entries = list(dst.iterdir())
+    ours = all(p.name in MODEL_DIR_FILES and p.is_file() and not p.is_symlink() for p in entries)
+    if entries and not (ours and (dst / "config.json").is_file()):
+        raise FileExistsError(f"{dst}: a directory that convert did not write (it holds more than "
+                              f"{', '.join(MODEL_DIR_FILES)}); not replacing it")
+
+
 def convert_gguf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> Path:
     """Write the GGUF llama model ``src`` as an MLX model directory ``dst``.
 
     Writes ``model.safetensors``, ``config.json`` (HF names, ``quantization`` with per-layer overrides
     where a tensor's bits differ from the most common), ``tokenizer.json``, ``tokenizer_config.json``
     (special tokens, ``add_bos_token``, the chat template) and ``generation_config.json``. The directory
-    appears complete or not at all (written beside it, then renamed).
+    appears complete or not at all (written beside it, then renamed). With ``overwrite`` an existing ``dst``
+    is replaced only if it is an empty directory or one an earlier convert wrote (``_check_destination``).
 
     Raises:
-        FileExistsError: ``dst`` exists and ``overwrite`` is false.
+        FileExistsError: ``dst`` exists and ``overwrite`` is false, or it is not a directory that may be
+            replaced (a file, a link, a directory holding ``src`` or files convert does not write).
         GGUFError, TokenizerError: ``src`` is unreadable or unsupported.
     """
-    dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst} already exists (use --overwrite)")
+    src, dst = Path(src), Path(dst)
+    _check_destination(src, dst, overwrite)
     g = read_gguf(src)
     cfg = dict(g.config)
     weights = dict(g.weights)

@@ -69,3 +69,46 @@ def test_mlx_lm_loads_it_and_greedy_agrees(converted, llamacpp_cases):
         ref = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), ref_model, max_tokens=16), range(16))]
         ours_ids = ours.engine.generate(ids, GenerateParams(max_tokens=16, ignore_eos=True)).token_ids
         assert ours_ids == ref
+
+
+def _convert_cli(*args):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    return CliRunner().invoke(main, ["convert", *map(str, args)])
+
+
+@pytest.mark.parametrize("layout", ["holds_src", "other_files", "subdir"])
+def test_overwrite_refuses_a_directory_convert_did_not_write(tmp_path, layout):
+    """--overwrite replaces only an empty directory or an earlier convert's: the folder holding SRC, or one with
+    other files, is refused with one line, exit 2, and nothing in it is deleted (it was rmtree'd)."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    src = tmp_path / "model.gguf"
+    if layout == "holds_src":
+        src = dst / "model.gguf"
+    elif layout == "other_files":
+        (dst / "notes.txt").write_text("mine")
+    else:
+        (dst / "sub").mkdir()
+    (dst / "config.json").write_text("{}")
+    src.write_bytes(b"GGUF not really")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    result = _convert_cli(src, dst, "--overwrite")
+    assert result.exit_code == 2, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {dst}: ") and "not replacing it" in lines[0], result.output
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_overwrite_replaces_an_earlier_convert_or_an_empty_directory(tmp_path, default_model_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    result = _convert_cli(default_model_path, dst, "--overwrite")  # empty: fine
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in dst.iterdir())
+    (dst / "config.json").write_text("{}")
+    result = _convert_cli(default_model_path, dst, "--overwrite")  # convert's own output: replaced
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in dst.iterdir()) == names and json.loads((dst / "config.json").read_text())
