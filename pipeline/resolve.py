@@ -95,14 +95,20 @@ def check_model_spec(spec: str) -> None:
     """Check the form of a model spec without downloading anything.
 
     Raises:
-        ModelResolveError: not an alias, an existing .gguf file or model directory, or a repo id.
+        ModelResolveError: not an alias, an existing .gguf file or model directory, or a repo id; a directory
+            without ``config.json`` and an existing file that is not ``.gguf`` are named as such.
     """
     if spec in ALIASES:
         return
     path = Path(spec).expanduser()
     if path.exists():
-        if path.is_file() and path.suffix == ".gguf" or path.is_dir() and (path / "config.json").is_file():
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelResolveError(f"model directory {spec!r} has no config.json")
             return
+        if path.is_file() and path.suffix == ".gguf":
+            return
+        raise ModelResolveError(f"model file {spec!r} is not a .gguf file or a model directory")
     elif _REPO_ID.match(spec) or (spec.endswith(".gguf") and spec.count("/") == 2
                                   and _REPO_ID.match(spec.rsplit("/", 1)[0])):
         return

@@ -358,3 +358,14 @@ def test_inspect_missing_path(tmp_path):
     assert without_machine_warnings(proc.stderr) == [
         f"error: model '{tmp_path / 'nope'}' is not a built-in alias (smollm2-135m-instruct), an existing .gguf "
         "file or model directory, or a Hugging Face repo id"]
+
+
+def test_inspect_directory_without_config_says_so(tmp_path):
+    """Through the CLI's own check (``check_model_spec``), exit 2 as for any bad model spec."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output == f"error: model directory '{tmp_path}' has no config.json\n"

@@ -161,9 +161,15 @@ def test_check_model_spec_without_downloading(tmp_path):
         check_model_spec(good)
     (tmp_path / "m.gguf").write_bytes(b"x")
     check_model_spec(str(tmp_path / "m.gguf"))
-    for bad in ("no such model", "/nonexistent/dir/x.gguf", str(tmp_path)):
+    for bad in ("no such model", "/nonexistent/dir/x.gguf"):
         with pytest.raises(ModelResolveError, match="not a built-in alias"):
             check_model_spec(bad)
+    # an existing directory or file says what is wrong with it (the directory said "not a built-in alias ...")
+    with pytest.raises(ModelResolveError, match=f"^model directory '{tmp_path}' has no config.json$"):
+        check_model_spec(str(tmp_path))
+    (tmp_path / "m.bin").write_bytes(b"x")
+    with pytest.raises(ModelResolveError, match=r"^model file '.*m\.bin' is not a \.gguf file or a model directory$"):
+        check_model_spec(str(tmp_path / "m.bin"))
 
 
 # --- Hugging Face repo ids: the HF cache first, then one bounded connection check -----------------------
