@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, TokenizerError
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -84,7 +84,10 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
     n_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    tok = Tokenizer.from_gguf_metadata(md)
+    try:
+        tok = Tokenizer.from_gguf_metadata(md)
+    except TokenizerError as e:
+        raise TokenizerError(f"{path}: {e}") from None
     vocab_size = get("vocab_size", required=False) or len(md["tokenizer.ggml.tokens"])
     head_dim = int(get("attention.key_length", required=False) or get("rope.dimension_count", required=False) or hidden // n_heads)
     config = {

@@ -255,10 +255,13 @@ class Tokenizer:
         ``add_bos_token``, ``chat_template``) and ``chat_template.jinja``.
 
         ``add_bos_token`` comes from ``tokenizer_config.json`` when it says; otherwise it is whether the
-        tokenizer's own post-processor prepends the BOS token (as Llama 3's does).
+        tokenizer's own post-processor prepends the BOS token (as Llama 3's does). The chat template is
+        ``chat_template.jinja`` when the directory has one, else ``tokenizer_config.json``'s (transformers'
+        order: ``PreTrainedTokenizerBase.from_pretrained`` reads the file over the config's key).
 
         Raises:
-            TokenizerError: ``tokenizer.json`` missing or unreadable.
+            TokenizerError: ``tokenizer.json`` missing or unreadable; ``chat_template.jinja`` not UTF-8; a
+                ``chat_template`` in ``tokenizer_config.json`` that is not a string or a list of named templates.
         """
         path = Path(path)
         tok_file = path / "tokenizer.json"
@@ -287,12 +290,14 @@ class Tokenizer:
         else:
             probe = hf.encode("a", add_special_tokens=True).ids
             add_bos = bos is not None and bool(probe) and probe[0] == bos
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
         jinja_file = path / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+        if jinja_file.is_file():  # wins over tokenizer_config.json's, as in transformers (and so mlx-lm, vLLM)
+            try:
+                template = jinja_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise TokenizerError(f"{jinja_file}: not UTF-8 text ({e})") from None
+        else:
+            template = _config_chat_template(cfg_file, cfg.get("chat_template"))
         return cls(hf, bos_token_id=bos, eos_token_ids=eos, add_bos_token=add_bos, chat_template=template)
 
     @classmethod
@@ -353,12 +358,15 @@ class Tokenizer:
         eos = _int("tokenizer.ggml.eos_token_id")
         eot = _int("tokenizer.ggml.eot_token_id")
         add_bos = md.get("tokenizer.ggml.add_bos_token")
+        template = md.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"GGUF metadata tokenizer.chat_template must be a string, got {_scalar(template)!r:.60}")
         return cls(
             hf,
             bos_token_id=bos,
             eos_token_ids=[i for i in (eos, eot) if i is not None],
             add_bos_token=bool(_scalar(add_bos)) if add_bos is not None else False,
-            chat_template=md.get("tokenizer.chat_template"),
+            chat_template=template,
         )
 
 
@@ -395,6 +403,21 @@ def _end_of_turn_id(hf: HFTokenizer, template: str | None, bos_token: str, eos_t
     specials = [(t.content, i) for i, t in hf.get_added_tokens_decoder().items() if t.special and t.content]
     matches = [(len(content), i) for content, i in specials if after.startswith(content)]
     return max(matches)[1] if matches else None
+
+
+def _config_chat_template(cfg_file: Path, value) -> str | None:
+    """``tokenizer_config.json``'s ``chat_template``: a string, null, or named templates
+    (``[{"name": ..., "template": ...}]``, of which the one named "default").
+
+    Raises:
+        TokenizerError: any other value, named with the file and key.
+    """
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in value):
+        return next((t["template"] for t in value if t.get("name") == "default"), None)
+    raise TokenizerError(f"{cfg_file}: chat_template must be a string or a list of {{name, template}} objects, "
+                         f"got {value!r:.60}")
 
 
 def _token_content(value) -> str | None:

@@ -369,3 +369,47 @@ def test_inspect_directory_without_config_says_so(tmp_path):
     result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert result.exit_code == 2
     assert result.output == f"error: model directory '{tmp_path}' has no config.json\n"
+
+
+def test_chat_template_jinja_file_wins_over_the_config_key(tmp_path, weights):
+    """transformers (so mlx-lm and vLLM) reads chat_template.jinja over tokenizer_config.json's chat_template;
+    pipeline took the config's."""
+    d = make_dir(tmp_path / "m", weights)  # tokenizer_config.json has TEMPLATE
+    jinja = "JINJA{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (d / "chat_template.jinja").write_text(jinja)
+    tok = read_model_dir(d).tokenizer
+    assert tok.chat_template == jinja
+    messages = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(messages) == "JINJAhello"
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(d))
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == "JINJAhello"
+
+
+@pytest.mark.parametrize("case", ["jinja_not_utf8", "config_int", "config_list_of_ints"])
+def test_unreadable_chat_template_is_one_line_naming_the_file(tmp_path, weights, case):
+    tok_cfg = {"bos_token": "<s>", "eos_token": "</s>"}
+    if case == "config_int":
+        tok_cfg["chat_template"] = 5
+    elif case == "config_list_of_ints":
+        tok_cfg["chat_template"] = [1]
+    d = make_dir(tmp_path / "m", weights, tokenizer_config=tok_cfg)
+    if case == "jinja_not_utf8":
+        (d / "chat_template.jinja").write_bytes(b"{{ 'caf\xe9' }}")
+        where = d / "chat_template.jinja"
+    else:
+        where = f"{d / 'tokenizer_config.json'}: chat_template must be a string"
+    with pytest.raises(TokenizerError) as e:
+        read_model_dir(d)
+    one_line_error(e, where)
+
+
+def test_gguf_chat_template_that_is_not_a_string(tmp_path):
+    from gguf_file import UINT32, write_tiny_gguf
+
+    from pipeline.gguf import read_gguf
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", {"tokenizer.chat_template": (UINT32, 5)})
+    with pytest.raises(TokenizerError) as e:
+        read_gguf(path)
+    one_line_error(e, f"{path}: GGUF metadata tokenizer.chat_template must be a string, got 5")
