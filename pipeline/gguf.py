@@ -74,34 +74,41 @@ def read_gguf(path: str | Path) -> GGUFModel:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
-    def get(key, default=None, required=True):
+    def get(key, default=None, required=True, kind=None):
+        """``{arch}.{key}`` as a Python value; ``kind`` int (at least 1) or float checks it is such a number."""
         v = md.get(f"{arch}.{key}")
         if v is None:
             if required and default is None:
                 raise GGUFError(f"{path}: GGUF metadata lacks {arch}.{key}")
             return default
-        return _scalar(v)
+        v = v.tolist() if getattr(v, "size", 1) != 1 else _scalar(v)  # a per-layer array is not a number
+        if kind is int and not (type(v) is int and v >= 1):
+            raise GGUFError(f"{path}: GGUF metadata {arch}.{key} must be a positive integer, got {v!r:.60}")
+        if kind is float and type(v) not in (int, float):
+            raise GGUFError(f"{path}: GGUF metadata {arch}.{key} must be a number, got {v!r:.60}")
+        return v
 
-    n_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
+    n_heads = get("attention.head_count", kind=int)
+    hidden = get("embedding_length", kind=int)
     try:
         tok = Tokenizer.from_gguf_metadata(md)
     except TokenizerError as e:
         raise TokenizerError(f"{path}: {e}") from None
-    vocab_size = get("vocab_size", required=False) or len(md["tokenizer.ggml.tokens"])
-    head_dim = int(get("attention.key_length", required=False) or get("rope.dimension_count", required=False) or hidden // n_heads)
+    vocab_size = get("vocab_size", required=False, kind=int) or len(md["tokenizer.ggml.tokens"])
+    head_dim = (get("attention.key_length", required=False, kind=int)
+                or get("rope.dimension_count", required=False, kind=int) or hidden // n_heads)
     config = {
         "model_type": arch,
         "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count")),
-        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": get("block_count", kind=int),
+        "intermediate_size": get("feed_forward_length", kind=int),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
+        "num_key_value_heads": get("attention.head_count_kv", n_heads, kind=int),
         "head_dim": head_dim,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 4096)),
-        "vocab_size": int(vocab_size),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", kind=float)),
+        "rope_theta": float(get("rope.freq_base", 10000.0, kind=float)),
+        "max_position_embeddings": get("context_length", 4096, kind=int),
+        "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in tensors,
         # GGUF llama Q/K rows are permuted for llama.cpp's interleaved RoPE
         # (convert_hf_to_gguf.py, LlamaModel.permute), so RoPE must be the traditional one.

@@ -54,7 +54,11 @@ def weight_files(path: Path) -> list[Path]:
     """
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        weight_map = _read_json(index).get("weight_map", {})
+        if not (isinstance(weight_map, dict) and all(isinstance(n, str) for n in weight_map.values())):
+            raise ModelDirError(f"{index}: weight_map must be an object of tensor name -> file name, "
+                                f"got {weight_map!r:.60}")
+        names = sorted(set(weight_map.values()))
         files = [path / n for n in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -73,10 +77,17 @@ def model_files(path: Path) -> list[Path]:
     return [path / n for n in names if (path / n).is_file()] + weight_files(path)
 
 
-def _ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+def _ids(file: Path, config: dict, key: str) -> list[int]:
+    """``config[key]``, a token id or a list of them (absent or null: none).
+
+    Raises:
+        ModelDirError: another value (a string, a float, a list holding one), naming ``file`` and ``key``.
+    """
+    value = config.get(key)
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ModelDirError(f"{file}: {key} must be a token id or a list of token ids, got {value!r:.60}")
+    return ids
 
 
 def read_model_dir(path: str | Path) -> ModelDir:
@@ -86,7 +97,7 @@ def read_model_dir(path: str | Path) -> ModelDir:
     and the tokenizer config's ``eos_token``.
 
     Raises:
-        ModelDirError: missing or unreadable files (named).
+        ModelDirError: missing or unreadable files (named), token ids that are not integers (file and key named).
         TokenizerError: a tokenizer that cannot be built.
     """
     path = Path(path)
@@ -98,10 +109,13 @@ def read_model_dir(path: str | Path) -> ModelDir:
             weights.update(mx.load(str(f)))
         except Exception as e:  # mx.load raises RuntimeError/ValueError with the reason
             raise ModelDirError(f"{f}: cannot read safetensors ({e})") from None
+    config_file, gen_file = path / "config.json", path / "generation_config.json"
+    gen_bos = _ids(gen_file, gen_config, "bos_token_id")
+    bos_ids = _ids(config_file, config, "bos_token_id") if "bos_token_id" in config else gen_bos
     tokenizer = Tokenizer.from_model_dir(
         path,
-        extra_eos_ids=_ids(config.get("eos_token_id")) + _ids(gen_config.get("eos_token_id")),
-        bos_token_id=config.get("bos_token_id", gen_config.get("bos_token_id")),
+        extra_eos_ids=_ids(config_file, config, "eos_token_id") + _ids(gen_file, gen_config, "eos_token_id"),
+        bos_token_id=bos_ids[0] if bos_ids else None,
     )
     config = {**config, "eos_token_id": list(tokenizer.eos_token_ids)}
     return ModelDir(config=config, weights=weights, tokenizer=tokenizer)

@@ -250,7 +250,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_model_dir(cls, path, *, extra_eos_ids=(), bos_token_id=None) -> Tokenizer:
+    def from_model_dir(cls, path, *, extra_eos_ids: Sequence[int] = (), bos_token_id: int | None = None) -> Tokenizer:
         """Build from a HF model directory: ``tokenizer.json``, ``tokenizer_config.json`` (special tokens,
         ``add_bos_token``, ``chat_template``) and ``chat_template.jinja``.
 
@@ -259,8 +259,11 @@ class Tokenizer:
         ``chat_template.jinja`` when the directory has one, else ``tokenizer_config.json``'s (transformers'
         order: ``PreTrainedTokenizerBase.from_pretrained`` reads the file over the config's key).
 
+        ``bos_token_id`` (from ``config.json``) is the BOS id when the config names no ``bos_token``.
+
         Raises:
-            TokenizerError: ``tokenizer.json`` missing or unreadable; ``chat_template.jinja`` not UTF-8; a
+            TokenizerError: ``tokenizer.json`` missing or unreadable; ``tokenizer_config.json`` not a JSON object
+                or a ``bos_token``/``eos_token`` that is not a string; ``chat_template.jinja`` not UTF-8; a
                 ``chat_template`` in ``tokenizer_config.json`` that is not a string or a list of named templates.
         """
         path = Path(path)
@@ -276,15 +279,17 @@ class Tokenizer:
             cfg = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
         except ValueError as e:
             raise TokenizerError(f"{cfg_file}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise TokenizerError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
 
-        def token_id(value):
-            content = _token_content(value)
+        def token_id(key):
+            content = _token_content(cfg_file, key, cfg.get(key))
             return None if content is None else hf.token_to_id(content)
 
-        bos = token_id(cfg.get("bos_token"))
+        bos = token_id("bos_token")
         if bos is None and bos_token_id is not None:
-            bos = int(bos_token_id[0] if isinstance(bos_token_id, list) else bos_token_id)
-        eos = [i for i in [token_id(cfg.get("eos_token")), *extra_eos_ids] if i is not None]
+            bos = bos_token_id
+        eos = [i for i in [token_id("eos_token"), *extra_eos_ids] if i is not None]
         if "add_bos_token" in cfg:
             add_bos = bool(cfg["add_bos_token"])
         else:
@@ -420,11 +425,16 @@ def _config_chat_template(cfg_file: Path, value) -> str | None:
                          f"got {value!r:.60}")
 
 
-def _token_content(value) -> str | None:
-    """A special token as ``tokenizer_config.json`` writes it: a string or ``{"content": ...}``."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+def _token_content(cfg_file: Path, key: str, value) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string or ``{"content": ...}`` (or null).
+
+    Raises:
+        TokenizerError: anything else (a number, a list), naming the file and key.
+    """
+    content = value.get("content") if isinstance(value, dict) else value
+    if content is not None and not isinstance(content, str):
+        raise TokenizerError(f"{cfg_file}: {key} must be a string or {{\"content\": string}}, got {value!r:.60}")
+    return content
 
 
 def _scalar(v):

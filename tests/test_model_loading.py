@@ -413,3 +413,61 @@ def test_gguf_chat_template_that_is_not_a_string(tmp_path):
     with pytest.raises(TokenizerError) as e:
         read_gguf(path)
     one_line_error(e, f"{path}: GGUF metadata tokenizer.chat_template must be a string, got 5")
+
+
+def _index_weight_map_list(d: Path) -> None:
+    index = d / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": sorted(set(json.loads(index.read_text())["weight_map"].values()))}))
+
+
+# (case, make_dir keyword arguments, a change to the written dir, error class, file, key)
+MALFORMED_DIRS = [
+    ("eos_list_with_a_string", {"config": {**CONFIG, "eos_token_id": [EOS, "x"]}}, None, ModelDirError,
+     "config.json", "eos_token_id"),
+    ("generation_eos_string", {"generation_config": {"eos_token_id": "abc"}}, None, ModelDirError,
+     "generation_config.json", "eos_token_id"),
+    ("bos_float", {"config": {**CONFIG, "bos_token_id": 1.0}}, None, ModelDirError, "config.json", "bos_token_id"),
+    ("no_attention_heads", {"config": {**CONFIG, "num_attention_heads": 0}}, None, ConfigError, "config.json",
+     "num_attention_heads"),
+    ("context_0", {"config": {**CONFIG, "max_position_embeddings": 0}}, None, ConfigError, "config.json",
+     "max_position_embeddings"),
+    ("context_negative", {"config": {**CONFIG, "max_position_embeddings": -5}}, None, ConfigError, "config.json",
+     "max_position_embeddings"),
+    ("quantization_list", {"config": {**CONFIG, "quantization": [1]}}, None, ConfigError, "config.json",
+     "quantization"),
+    ("index_weight_map_list", {"shards": 2}, _index_weight_map_list, ModelDirError, "model.safetensors.index.json",
+     "weight_map"),
+    ("tokenizer_config_list", {}, lambda d: (d / "tokenizer_config.json").write_text("[1]"), TokenizerError,
+     "tokenizer_config.json", "JSON object"),
+    ("bos_token_int", {"tokenizer_config": {"bos_token": 5, "eos_token": "</s>"}}, None, TokenizerError,
+     "tokenizer_config.json", "bos_token"),
+    ("eos_token_content_int", {"tokenizer_config": {"bos_token": "<s>", "eos_token": {"content": 2}}}, None,
+     TokenizerError, "tokenizer_config.json", "eos_token"),
+]
+
+
+@pytest.mark.parametrize("case,kwargs,change,error,file,key", MALFORMED_DIRS, ids=[c[0] for c in MALFORMED_DIRS])
+def test_malformed_model_dir_file_is_one_line_naming_file_and_key(tmp_path, weights, case, kwargs, change, error,
+                                                                  file, key):
+    """Each was a traceback (ValueError, ZeroDivisionError, AttributeError, a RowError from the warm-up)."""
+    d = make_dir(tmp_path / "m", weights, **kwargs)
+    if change:
+        change(d)
+    with pytest.raises(error) as e:
+        load(d)
+    one_line_error(e, d / file, key)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("llama.attention.head_count", 0), ("llama.attention.head_count", "nine"), ("llama.context_length", "abc"),
+    ("llama.context_length", 0), ("llama.block_count", -1),
+])
+def test_malformed_gguf_number_is_one_line_naming_the_key(tmp_path, key, value):
+    from gguf_file import INT32, STRING, write_tiny_gguf
+
+    from pipeline.gguf import GGUFError
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", {key: (STRING if isinstance(value, str) else INT32, value)})
+    with pytest.raises(GGUFError) as e:
+        load(path)
+    one_line_error(e, f"{path}: GGUF metadata {key} must be a positive integer, got {value!r}")

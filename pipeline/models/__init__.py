@@ -25,13 +25,17 @@ def build_model(config: dict, weights: dict[str, mx.array], dtype: mx.Dtype = mx
     quantization scales and biases, are cast to ``dtype``.
 
     Raises:
-        ConfigError: unknown ``model_type`` or a config lacking required keys.
+        ConfigError: unknown ``model_type``, a config lacking required keys or with a value of the wrong
+            type (``BaseModelArgs.from_dict``), a ``quantization`` that is not a dict or not affine.
         WeightsMismatch: weights that do not match the model (missing or unexpected names, wrong shapes).
     """
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise ConfigError(f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(FAMILIES))})")
-    mode = (config.get("quantization") or {}).get("mode", "affine")
+    quantization = config.get("quantization") or {}
+    if not isinstance(quantization, dict):
+        raise ConfigError(f"model config key 'quantization' must be dict, got {quantization!r:.60}")
+    mode = quantization.get("mode", "affine")
     if mode != "affine":
         raise ConfigError(f"unsupported quantization mode {mode!r} (supported: affine)")
     family = FAMILIES[model_type]

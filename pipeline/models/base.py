@@ -23,8 +23,8 @@ class WeightsMismatch(ValueError):
 class BaseModelArgs:
     @classmethod
     def from_dict(cls, config: dict):
-        """Build from a HF ``config.json`` dict: unknown keys are ignored, missing required keys raise
-        ``ConfigError`` naming them."""
+        """Build from a HF ``config.json`` dict: unknown keys are ignored, missing required keys, values of
+        the wrong type and integers (sizes, counts, lengths) below 1 raise ``ConfigError`` naming them."""
         config = _flat_rope(config)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         missing = [
@@ -38,6 +38,8 @@ class BaseModelArgs:
         for name in fields:
             if name in config and not _matches(config[name], hints[name]):
                 raise ConfigError(f"model config key {name!r} must be {_type_name(hints[name])}, got {config[name]!r}")
+            if int in _options(hints[name]) and isinstance(config.get(name), int) and config[name] < 1:
+                raise ConfigError(f"model config key {name!r} must be at least 1, got {config[name]!r}")
         return cls(**{k: v for k, v in config.items() if k in fields})
 
 
