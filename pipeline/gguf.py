@@ -8,7 +8,7 @@ Tensors are read by ``mx.load``, which returns Q4_0/Q4_1/Q8_0 tensors as MLX aff
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,6 +30,7 @@ _LAYER_TENSORS = {
 }
 _TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
+_TOKEN_ID_KEYS = tuple(f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "eot", "padding"))
 _TOP_RE = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
 
 
@@ -46,12 +47,15 @@ class GGUFModel:
         weights: HF-named tensors; quantized ones as ``.weight`` (uint32) + ``.scales`` + ``.biases``.
         tokenizer: the tokenizer from ``tokenizer.ggml.*`` metadata.
         metadata: the raw GGUF metadata.
+        token_ids: the BOS, EOS, EOT and padding ids the metadata declares, each with where
+            (``"FILE: GGUF metadata tokenizer.ggml.bos_token_id"``), for ``loader.check_token_ids``.
     """
 
     config: dict
     weights: dict[str, mx.array]
     tokenizer: Tokenizer
     metadata: dict
+    token_ids: list[tuple[str, int]] = field(default_factory=list)
 
 
 def _scalar(v):
@@ -90,6 +94,14 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
     n_heads = get("attention.head_count", kind=int)
     hidden = get("embedding_length", kind=int)
+    token_ids = []
+    for key in _TOKEN_ID_KEYS:
+        v = md.get(key)
+        if v is not None:
+            v = v.tolist() if getattr(v, "size", 1) != 1 else _scalar(v)
+            if type(v) is not int:
+                raise GGUFError(f"{path}: GGUF metadata {key} must be a token id, got {v!r:.60}")
+            token_ids.append((f"{path}: GGUF metadata {key}", v))
     try:
         tok = Tokenizer.from_gguf_metadata(md)
     except TokenizerError as e:
@@ -132,4 +144,4 @@ def read_gguf(path: str | Path) -> GGUFModel:
             weights[f"{_TOP_TENSORS[m.group(1)]}.{m.group(2)}"] = value
             continue
         raise GGUFError(f"{path}: unexpected tensor {name!r} for architecture {arch!r}")
-    return GGUFModel(config=config, weights=weights, tokenizer=tok, metadata=md)
+    return GGUFModel(config=config, weights=weights, tokenizer=tok, metadata=md, token_ids=token_ids)

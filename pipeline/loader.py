@@ -78,6 +78,19 @@ def _build(path: Path, config: dict, weights: dict, dtype: mx.Dtype):
         ) from None
 
 
+def check_token_ids(token_ids: list[tuple[str, int]], vocab_size: int) -> None:
+    """Every declared special-token id (``(where, id)``: ``ModelDir.token_ids``, ``GGUFModel.token_ids``) is a
+    row of the embedding (``0 <= id < vocab_size``): the warm-up feeds the BOS id as a token, and an id past the
+    embedding read other memory (a segfault on the CPU).
+
+    Raises:
+        ConfigError: the first id that is not, naming where it is declared.
+    """
+    for where, i in token_ids:
+        if not 0 <= i < vocab_size:
+            raise ConfigError(f"{where}: {i} is outside the vocabulary of {vocab_size} tokens (the embedding's rows)")
+
+
 def should_dequantize(model, dtype: mx.Dtype, batch_size: int = 1) -> bool:
     """The "auto" rule.
 
@@ -257,6 +270,7 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
         warn_if_no_cpu_compile()
     dt = compute_dtype(dtype)
     model = _build(path, g.config, g.weights, dt)
+    check_token_ids(g.token_ids, model.args.vocab_size)  # _build checked the embedding has vocab_size rows
     if fuse:
         g.weights = None  # the fused copies prepare_model makes replace these arrays; let them go
     prepare_model(model, dt, dequantize, batch_size, fuse)

@@ -5,7 +5,7 @@ sharded with ``model.safetensors.index.json``), ``tokenizer.json``, ``tokenizer_
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,11 +25,14 @@ class ModelDir:
         config: ``config.json`` (with ``eos_token_id`` replaced by the union of every EOS id declared).
         weights: safetensors tensors by name.
         tokenizer: the tokenizer with chat template and special tokens.
+        token_ids: every BOS, EOS and pad id ``config.json`` and ``generation_config.json`` declare, each with
+            where it is declared (``"DIR/config.json: eos_token_id"``), for ``loader.check_token_ids``.
     """
 
     config: dict
     weights: dict[str, mx.array]
     tokenizer: Tokenizer
+    token_ids: list[tuple[str, int]] = field(default_factory=list)
 
 
 def _read_json(path: Path, required: bool = True) -> dict:
@@ -117,5 +120,7 @@ def read_model_dir(path: str | Path) -> ModelDir:
         extra_eos_ids=_ids(config_file, config, "eos_token_id") + _ids(gen_file, gen_config, "eos_token_id"),
         bos_token_id=bos_ids[0] if bos_ids else None,
     )
+    token_ids = [(f"{file}: {key}", i) for file, cfg in ((config_file, config), (gen_file, gen_config))
+                 for key in ("bos_token_id", "eos_token_id", "pad_token_id") for i in _ids(file, cfg, key)]
     config = {**config, "eos_token_id": list(tokenizer.eos_token_ids)}
-    return ModelDir(config=config, weights=weights, tokenizer=tokenizer)
+    return ModelDir(config=config, weights=weights, tokenizer=tokenizer, token_ids=token_ids)

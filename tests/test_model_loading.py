@@ -471,3 +471,41 @@ def test_malformed_gguf_number_is_one_line_naming_the_key(tmp_path, key, value):
     with pytest.raises(GGUFError) as e:
         load(path)
     one_line_error(e, f"{path}: GGUF metadata {key} must be a positive integer, got {value!r}")
+
+
+@pytest.mark.parametrize("file,key,value", [
+    ("config.json", "bos_token_id", len(VOCAB)), ("config.json", "eos_token_id", [EOS, 60000]),
+    ("config.json", "pad_token_id", -1), ("generation_config.json", "bos_token_id", 60000),
+    ("generation_config.json", "eos_token_id", 60000),
+])
+def test_special_token_id_outside_the_vocabulary(tmp_path, weights, file, key, value):
+    """A model dir with bos_token_id 60000 ran, its warm-up reading past the embedding."""
+    kwargs = {"config": {**CONFIG, key: value}} if file == "config.json" else {"generation_config": {key: value}}
+    d = make_dir(tmp_path / "m", weights, **kwargs)
+    with pytest.raises(ConfigError) as e:
+        load(d)
+    bad = value[-1] if isinstance(value, list) else value
+    one_line_error(e, f"{d / file}: {key}: {bad} is outside the vocabulary of {len(VOCAB)} tokens")
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                                 "tokenizer.ggml.padding_token_id"])
+def test_gguf_special_token_id_outside_the_vocabulary(tmp_path, key):
+    """A GGUF with bos_token_id 999999 segfaulted in the warm-up (the BOS id fed as a token)."""
+    from gguf_file import TOKENS, UINT32, write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", {key: (UINT32, 999999)})
+    with pytest.raises(ConfigError) as e:
+        load(path)  # before any warm-up
+    one_line_error(e, f"{path}: GGUF metadata {key}: 999999 is outside the vocabulary of {len(TOKENS)} tokens")
+
+
+def test_gguf_special_token_id_that_is_not_an_integer(tmp_path):
+    from gguf_file import STRING, write_tiny_gguf
+
+    from pipeline.gguf import GGUFError
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", {"tokenizer.ggml.eos_token_id": (STRING, "2")})
+    with pytest.raises(GGUFError) as e:
+        load(path)
+    one_line_error(e, f"{path}: GGUF metadata tokenizer.ggml.eos_token_id must be a token id, got '2'")
