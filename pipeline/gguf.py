@@ -7,7 +7,10 @@ Tensors are read by ``mx.load``, which returns Q4_0/Q4_1/Q8_0 tensors as MLX aff
 
 from __future__ import annotations
 
+import mmap
+import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,14 +65,89 @@ def _scalar(v):
     return v.item() if hasattr(v, "item") else v
 
 
+# ggml type ids (ggml.h ``enum ggml_type``) that MLX 0.32's ``mx.load`` reads: F32, F16, BF16 (as float16),
+# Q4_0/Q4_1/Q8_0 (as affine-quantized triples), Q2_K/Q4_K/Q6_K (as float16). Checked by loading a file with
+# each id 0-41: Q5_0, Q5_1, Q8_1, Q3_K, Q5_K, Q8_K, the IQ types, I64, F64 fail ("gguf_tensor_to_f16 failed");
+# ids 4-5 crashed the process; ids from 31 (TQ1_0, TQ2_0, MXFP4, ...) ended the tensor list there without an
+# error; I8/I16/I32 load as integers, which no weight is.
+_GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+               11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
+               19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
+               27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
+_LOADABLE_TYPES = (0, 1, 30, 2, 3, 8, 10, 12, 14)
+# GGUF metadata value types (docs/gguf.md): fixed sizes by type id; 8 is a string, 9 an array.
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def tensor_types(path: Path) -> list[tuple[str, int]] | None:
+    """``(name, ggml type id)`` of every tensor info in the GGUF (v2 or v3) file ``path``, read from its header
+    (ggml docs/gguf.md). None for a file this cannot parse (not GGUF, version 1, cut short), which ``mx.load``
+    then reports."""
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        values = struct.unpack_from(fmt, data, pos)
+        pos += struct.calcsize(fmt)
+        return values[0] if len(values) == 1 else values
+
+    def skip_value(kind: int) -> None:
+        nonlocal pos
+        if kind == 8:
+            n = take("<Q")
+            pos += n
+        elif kind == 9:
+            item_kind, n = take("<IQ")
+            if item_kind in _VALUE_SIZES:
+                pos += n * _VALUE_SIZES[item_kind]
+            else:
+                for _ in range(n):
+                    skip_value(item_kind)
+        elif kind in _VALUE_SIZES:
+            pos += _VALUE_SIZES[kind]
+        else:
+            raise struct.error(f"unknown metadata value type {kind}")
+
+    try:
+        magic, version, n_tensors, n_kv = take("<4sIQQ")
+        if magic != b"GGUF" or version < 2:
+            return None
+        for _ in range(n_kv):
+            n = take("<Q")
+            pos += n  # the key
+            skip_value(take("<I"))
+        types = []
+        for _ in range(n_tensors):
+            n = take("<Q")
+            name = bytes(data[pos:pos + n]).decode("utf-8", "replace")
+            pos += n
+            ndim = take("<I")
+            pos += 8 * ndim  # the dimensions
+            types.append((name, take("<IQ")[0]))  # type, offset
+        return types
+    except (struct.error, RecursionError):  # cut short, or arrays nested without end
+        return None
+
+
 def read_gguf(path: str | Path) -> GGUFModel:
     """Read a GGUF llama-architecture model.
 
     Raises:
-        GGUFError: unreadable file, unsupported architecture or tensor type, unknown tensor names.
+        GGUFError: unreadable file, unsupported architecture, a tensor of a type MLX cannot load (named with
+            its type id, ``tensor_types``), unknown tensor names.
         TokenizerError: unsupported tokenizer.
     """
     path = Path(path)
+    try:
+        types = tensor_types(path)
+    except OSError as e:
+        raise GGUFError(f"cannot read GGUF file {path}: {e.strerror or e}") from None
+    for name, type_id in types or ():
+        if type_id not in _LOADABLE_TYPES:
+            raise GGUFError(f"{path}: tensor {name!r} has GGML type {type_id} ({_GGML_TYPES.get(type_id, 'unknown')}), "
+                            f"which MLX cannot load (supported: {', '.join(_GGML_TYPES[t] for t in _LOADABLE_TYPES)})")
     try:
         tensors, md = mx.load(str(path), return_metadata=True)
     except Exception as e:  # mx.load raises RuntimeError/ValueError with the reason

@@ -509,3 +509,20 @@ def test_gguf_special_token_id_that_is_not_an_integer(tmp_path):
     with pytest.raises(GGUFError) as e:
         load(path)
     one_line_error(e, f"{path}: GGUF metadata tokenizer.ggml.eos_token_id must be a token id, got '2'")
+
+
+@pytest.mark.parametrize("type_id,type_name", [(99, "unknown"), (34, "TQ1_0"), (6, "Q5_0")])
+def test_gguf_tensor_of_a_type_mlx_cannot_load_is_named(tmp_path, type_id, type_name):
+    """MLX's reader ends the tensor list at a type id it does not know (99, 34: "weights do not fit ... missing
+    N tensor(s)" followed) and fails on others without naming the tensor (6: "gguf_tensor_to_f16 failed")."""
+    from gguf_file import tiny_llama_tensors, write_tiny_gguf
+
+    from pipeline.gguf import GGUFError
+
+    tensors = [(name, data, type_id if name == "blk.0.attn_norm.weight" else t)
+               for name, data, t in tiny_llama_tensors()]
+    path = write_tiny_gguf(tmp_path / "m.gguf", tensors=tensors)
+    with pytest.raises(GGUFError) as e:
+        load(path)
+    one_line_error(e, f"{path}: tensor 'blk.0.attn_norm.weight' has GGML type {type_id} ({type_name}), which MLX "
+                      "cannot load")
