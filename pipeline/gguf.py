@@ -33,7 +33,8 @@ _LAYER_TENSORS = {
 }
 _TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
-_TOKEN_ID_KEYS = tuple(f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "eot", "padding"))
+# the ids the engine uses (BOS fed by the warm-up, EOS/EOT as stops); a padding id is never used, so not checked
+_TOKEN_ID_KEYS = tuple(f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "eot"))
 _TOP_RE = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
 
 
@@ -50,7 +51,7 @@ class GGUFModel:
         weights: HF-named tensors; quantized ones as ``.weight`` (uint32) + ``.scales`` + ``.biases``.
         tokenizer: the tokenizer from ``tokenizer.ggml.*`` metadata.
         metadata: the raw GGUF metadata.
-        token_ids: the BOS, EOS, EOT and padding ids the metadata declares, each with where
+        token_ids: the BOS, EOS and EOT ids the metadata declares, each with where
             (``"FILE: GGUF metadata tokenizer.ggml.bos_token_id"``), for ``loader.check_token_ids``.
     """
 

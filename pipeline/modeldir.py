@@ -25,7 +25,7 @@ class ModelDir:
         config: ``config.json`` (with ``eos_token_id`` replaced by the union of every EOS id declared).
         weights: safetensors tensors by name.
         tokenizer: the tokenizer with chat template and special tokens.
-        token_ids: every BOS, EOS and pad id ``config.json`` and ``generation_config.json`` declare, each with
+        token_ids: every BOS and EOS id ``config.json`` and ``generation_config.json`` declare, each with
             where it is declared (``"DIR/config.json: eos_token_id"``), for ``loader.check_token_ids``.
     """
 
@@ -121,6 +121,6 @@ def read_model_dir(path: str | Path) -> ModelDir:
         bos_token_id=bos_ids[0] if bos_ids else None,
     )
     token_ids = [(f"{file}: {key}", i) for file, cfg in ((config_file, config), (gen_file, gen_config))
-                 for key in ("bos_token_id", "eos_token_id", "pad_token_id") for i in _ids(file, cfg, key)]
+                 for key in ("bos_token_id", "eos_token_id") for i in _ids(file, cfg, key)]
     config = {**config, "eos_token_id": list(tokenizer.eos_token_ids)}
     return ModelDir(config=config, weights=weights, tokenizer=tokenizer, token_ids=token_ids)

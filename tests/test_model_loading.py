@@ -475,7 +475,7 @@ def test_malformed_gguf_number_is_one_line_naming_the_key(tmp_path, key, value):
 
 @pytest.mark.parametrize("file,key,value", [
     ("config.json", "bos_token_id", len(VOCAB)), ("config.json", "eos_token_id", [EOS, 60000]),
-    ("config.json", "pad_token_id", -1), ("generation_config.json", "bos_token_id", 60000),
+    ("generation_config.json", "bos_token_id", 60000),
     ("generation_config.json", "eos_token_id", 60000),
 ])
 def test_special_token_id_outside_the_vocabulary(tmp_path, weights, file, key, value):
@@ -488,8 +488,14 @@ def test_special_token_id_outside_the_vocabulary(tmp_path, weights, file, key, v
     one_line_error(e, f"{d / file}: {key}: {bad} is outside the vocabulary of {len(VOCAB)} tokens")
 
 
+def test_a_pad_id_outside_the_vocabulary_is_not_checked(tmp_path, weights):
+    """Nothing here uses the pad id, and old Llama conversions carry ``pad_token_id: -1``: the model loads."""
+    d = make_dir(tmp_path / "m", weights, config={**CONFIG, "pad_token_id": -1})
+    assert load(d) is not None
+
+
 @pytest.mark.parametrize("key", ["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-                                 "tokenizer.ggml.padding_token_id"])
+                                 "tokenizer.ggml.eot_token_id"])
 def test_gguf_special_token_id_outside_the_vocabulary(tmp_path, key):
     """A GGUF with bos_token_id 999999 segfaulted in the warm-up (the BOS id fed as a token)."""
     from gguf_file import TOKENS, UINT32, write_tiny_gguf
