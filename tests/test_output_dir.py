@@ -374,6 +374,59 @@ def test_an_output_dir_under_a_file_is_refused_by_validate_as_by_run(tiny_model,
     assert (tmp_path / "afile").read_text() == "x"
 
 
+@pytest.mark.parametrize("given, out, refused", [
+    ("indir", "indir/out", True),  # a directory input is searched recursively
+    ("indir", "indir", True),
+    ("indir/**/*.parquet", "indir/runs/out", True),
+    ("indir/*.parquet", "indir", True),  # its shards would sit where the glob looks
+    ("indir/*.parquet", "indir/out", False),  # the glob does not go into subdirectories
+    ("indir/prompts.parquet", "indir/out", False),
+], ids=["dir-sub", "dir-itself", "recursive-glob", "glob-same-dir", "glob-not-below", "file"])
+def test_an_output_dir_where_the_input_is_read_from_is_refused(tiny_model, prompts, tmp_path, given, out, refused):
+    """The first run used to work; the next read its own shards (or manifest.json) as input rows and failed on
+    'files mix formats' or duplicate ids."""
+    (tmp_path / "indir").mkdir()
+    shutil.copy(prompts, tmp_path / "indir" / "prompts.parquet")
+    job = write_job(tmp_path / "job.yaml", tiny_model, tmp_path / given, tmp_path / out, rows=2,
+                    generation={"max_tokens": 2})
+    for command in ("validate", "run", "run"):
+        proc = pipeline(command, job, "--no-progress") if command == "run" else pipeline(command, job)
+        if refused:
+            assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+            assert proc.stderr.splitlines()[-1] == (
+                f"error: output.dir '{tmp_path / out}' is inside what input.path '{tmp_path / given}' reads: a later "
+                f"run would read its shards as input rows; write the output elsewhere"), proc.stderr
+            assert not (tmp_path / out / "manifest.json").exists()
+        else:
+            assert proc.returncode == 0, proc.stderr
+
+
+def test_a_relative_input_path_is_recorded_for_readers_elsewhere(tiny_model, prompts, tmp_path):
+    """status, export --join-input and report read the job's input from the manifest; a relative input.path
+    was resolved against their own working directory (a wrong pending count, or null input columns)."""
+    run_dir, other = tmp_path / "run", tmp_path / "other"
+    run_dir.mkdir(), other.mkdir()
+    shutil.copy(prompts, run_dir / "in.parquet")
+    pq.write_table(pa.table({"id": ["x1", "x2"], "prompt": ["a", "b"]}), other / "in.parquet")  # a decoy
+    job = write_job(run_dir / "job.yaml", tiny_model, Path("in.parquet"), run_dir / "out", rows=6,
+                    generation={"max_tokens": 2})
+    proc = subprocess.run(cli("run", job, "--no-progress", "--limit", 4), cwd=run_dir, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    recorded = json.loads((run_dir / "out" / "manifest.json").read_text())["info"]["job"]["input"]["path"]
+    assert recorded == str(run_dir / "in.parquet")
+    status = subprocess.run(cli("status", run_dir / "out", "--json"), cwd=other, capture_output=True, text=True)
+    assert status.returncode == 0, status.stderr
+    st = json.loads(status.stdout)
+    assert (st["rows_done"], st["rows_pending"]) == (4, 2)
+    export = subprocess.run(cli("export", run_dir / "out", "--to", other / "x.parquet", "--join-input"), cwd=other,
+                            capture_output=True, text=True)
+    assert export.returncode == 0, export.stderr
+    t = pq.read_table(other / "x.parquet")
+    assert t.column("input_prompt").null_count == 0
+    assert t.column("input_prompt").to_pylist() == pq.read_table(run_dir / "in.parquet").column("prompt").to_pylist()[:4]
+
+
 def test_a_manifest_that_does_not_fit_commits_nothing(tmpfs):
     """The shard fits exactly, its manifest does not: nothing is committed, the manifest in memory is the one
     on disk (a later save cannot commit the shard), and the shard file is removed to give its space back."""

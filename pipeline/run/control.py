@@ -27,7 +27,7 @@ from ..results import Result, result_schema, results_table
 from ..shards import DiskFullError, OutputError, ShardStore, read_manifest
 from .cluster import import_ray, open_cluster
 from .local import GenerationError, generate_samples, load_job_model
-from .plan import fingerprint, input_state, plan_samples
+from .plan import check_output_apart, fingerprint, input_state, plan_samples, recorded_job
 from .ray import run_units
 
 
@@ -257,6 +257,7 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
     if job.executor == "ray":
         import_ray()  # missing Ray Data: one error line, before the output dir is touched
     out_dir = Path(output_dir or job.output.dir)
+    check_output_apart(job, out_dir)  # before the input is read: it may hold this output's earlier shards
     rows, id_type = read_rows(job.input, limit)
     outdir.check_not_in_use(out_dir)  # another run's: refused at once, nothing resolved or touched
     outdir.check_writable(out_dir)  # before the model is resolved (perhaps downloaded) and loaded
@@ -283,7 +284,7 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
     run_record = {"started": _now(), "rows_pending": len(pending), "retry_failed": retry_failed, "force": force,
                   "redo_corrupt": redo_corrupt, "executor": job.executor}
     # with the fingerprint; the shards this run commits name it
-    store.add_run(run_record, inputs=inputs, info={"python": sys.version.split()[0], "job": job.to_dict()})
+    store.add_run(run_record, inputs=inputs, info={"python": sys.version.split()[0], "job": recorded_job(job)})
     try:
         store.save()
     except DiskFullError as e:

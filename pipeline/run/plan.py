@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +109,57 @@ def input_state(job: JobSpec) -> list[dict]:
             for f in input_files(job.input.path)]
 
 
+def recorded_job(job: JobSpec) -> dict:
+    """``job.to_dict()`` as the manifest records it (``info.job``): a relative ``input.path`` (file, directory or
+    glob) and a relative local ``input.dataset`` directory made absolute against the working directory the
+    run reads them from, so that ``status``, ``export --join-input`` and ``report``, run from anywhere, read
+    the same input."""
+    out = job.to_dict()
+    given = out["input"]
+    if given.get("path") and not os.path.isabs(given["path"]):
+        given["path"] = os.path.join(os.getcwd(), given["path"])
+    dataset = given.get("dataset")
+    if dataset and not os.path.isabs(dataset["name"]) and os.path.isdir(dataset["name"]):
+        dataset["name"] = os.path.abspath(dataset["name"])
+    return out
+
+
+def _glob_matches(pattern: str, path: str) -> bool:
+    """Whether ``glob.glob(pattern, recursive=True)`` would list ``path`` were it a file: ``**`` as a whole
+    component matches any number of directories, other components as ``fnmatch`` (both made absolute)."""
+    pat, parts = Path(os.path.abspath(pattern)).parts, Path(os.path.abspath(path)).parts
+
+    def match(i: int, j: int) -> bool:
+        if i == len(pat):
+            return j == len(parts)
+        if pat[i] == "**":
+            return any(match(i + 1, k) for k in range(j, len(parts) + 1))
+        return j < len(parts) and fnmatch.fnmatchcase(parts[j], pat[i]) and match(i + 1, j + 1)
+
+    return match(0, 0)
+
+
+def check_output_apart(job: JobSpec, out_dir: str | Path) -> None:
+    """The output dir must not be where ``input.path`` reads from: inside its directory (searched recursively), or
+    where its glob would list the shards or the manifest. The first run would work, and every later one would
+    read its own output as input rows.
+
+    Raises:
+        OutputError: naming both keys.
+    """
+    path = job.input.path
+    if path is None:
+        return
+    out = Path(out_dir)
+    if Path(path).is_dir():
+        inside = out.resolve() == Path(path).resolve() or Path(path).resolve() in out.resolve().parents
+    else:
+        inside = any(_glob_matches(path, str(out / name)) for name in ("part-00000.parquet", shards.MANIFEST))
+    if inside:
+        raise shards.OutputError(f"output.dir {str(out)!r} is inside what input.path {path!r} reads: a later run "
+                                 f"would read its shards as input rows; write the output elsewhere")
+
+
 def job_fingerprint(job: JobSpec) -> dict:
     """``fingerprint`` with the model resolved (resolving may download a model not yet cached)."""
     return fingerprint(job, model_identity(job.model, resolve_model(job.model)))
@@ -115,19 +168,20 @@ def job_fingerprint(job: JobSpec) -> dict:
 def check_output_dir(job: JobSpec, output_dir: str | None = None) -> dict | None:
     """Check without writing that the job's output dir is new, empty, or holds this job's results
     (for ``pipeline validate``), and that each committed shard is there with its recorded size and an
-    intact Parquet footer (``shards.check_shards``; no hashing). First, that no run holds its lock
-    (``outdir.check_not_in_use``) and that it can be written (``outdir.check_writable``: a test file created
+    intact Parquet footer (``shards.check_shards``; no hashing). First, that it is apart from the input
+    (``check_output_apart``), that no run holds its lock (``outdir.check_not_in_use``) and that it can be written (``outdir.check_writable``: a test file created
     and removed in it, or in its nearest existing parent).
 
     Returns:
         The output dir's manifest, or None when it has none (new or empty).
 
     Raises:
-        OutputError: the dir is in use by a run, or not writable; naming the fingerprint fields that differ,
+        OutputError: the dir is inside what input.path reads, in use by a run, or not writable; naming the fingerprint fields that differ,
             or foreign files; or the committed shards that are missing or damaged, one line each.
         DiskFullError: not even the test file fits.
     """
     out_dir = Path(output_dir or job.output.dir)
+    check_output_apart(job, out_dir)
     outdir.check_not_in_use(out_dir)
     outdir.check_writable(out_dir)
     if read_manifest(out_dir) is None:
