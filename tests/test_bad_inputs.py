@@ -219,7 +219,7 @@ CASES = [
     # the model spec
     Case("model-path-missing", [f"model './models/nope.gguf' {ALIAS_ERROR}"], {"model": "./models/nope.gguf"},
          committed=True),
-    Case("model-dir-without-config", [f"model 'empty' {ALIAS_ERROR}"], {"model": "empty"}, with_files("empty/")),
+    Case("model-dir-without-config", ["model directory 'empty' has no config.json"], {"model": "empty"}, with_files("empty/")),
     Case("unknown-alias", [f"model 'smollm3' {ALIAS_ERROR}"], {"model": "smollm3"}, commands=VALIDATE),
     # input files
     Case("missing-input-file", [

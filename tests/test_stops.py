@@ -378,3 +378,29 @@ def test_decode_complete_is_decode_for_text_decoders():
     hf.pre_tokenizer = pre_tokenizers.Whitespace()
     t = Tokenizer(hf, bos_token_id=None, eos_token_ids=[], add_bos_token=False, chat_template=None)
     assert t.decode_complete([1, 2]) == t.decode([1, 2]) == "a \ufffd"
+
+
+def test_a_stop_string_held_back_at_max_tokens_still_ends_the_row(tok, tmp_path):
+    """The last token holds the stop's last character and the first bytes of an emoji: the incremental
+    detokenizer holds that piece back, so no push reports the stop. The row ends at max_tokens; its
+    completion (decode of the complete characters) must still be cut before the stop, and say so."""
+    import mlx.core as mx
+
+    from pipeline.engine import Engine, GenerateParams
+    from pipeline.engine.request import Decoding
+    from pipeline.loader import load_model
+    from tiny_model import write_tiny_model
+
+    ids = tok.encode("Answer: 🎉")
+    ids = ids[:-1]  # the emoji's last bytes are in the last token
+    assert tok.decode(ids).endswith("\ufffd") and tok.decode_complete(ids) == "Answer: "
+    lm = load_model(str(write_tiny_model(tmp_path / "model")))  # the default model's tokenizer
+    engine = Engine(lm.model, tok.eos_token_ids, lm.engine.context_length, tokenizer=tok)
+    for include, text in ((False, "Answer"), (True, "Answer: ")):
+        d = Decoding(engine, [1, 2, 3], GenerateParams(max_tokens=len(ids), stop=(": ",),
+                                                       include_stop_str_in_output=include))
+        d.begin(mx.zeros((1, lm.model.args.vocab_size)))
+        d.t_first = d.t0 + 1e-3
+        assert [d.push(i, ()) for i in ids] == [None] * (len(ids) - 1) + [("length", None, None)]
+        gen = d.finish(("length", None, None), compiled=False)
+        assert (gen.text, gen.finish_reason, gen.stop_reason, gen.stop_token_id) == (text, "stop", ": ", None)

@@ -188,7 +188,9 @@ class Decoding:
 
     def _fill_text(self, gen: Generation) -> None:
         """The completion text; a stop string counts only where it ends in text of token ``min_tokens``
-        or later, as ``push`` checks it."""
+        or later, as ``push`` checks it. A row that ended at ``max_tokens`` is cut at a stop string too, and
+        ends with "stop": the incremental detokenizer holds back a piece that ends in an unfinished
+        character, so a stop in the last tokens' text may have reached no ``push``."""
         params, tokenizer = self.params, self.engine.tokenizer
         ids = gen.token_ids
         if gen.stop_token_id is not None and params.include_stop_str_in_output:
@@ -197,9 +199,9 @@ class Decoding:
         if params.stop and params.min_tokens > 1:  # characters before the min_tokens-th token
             min_end = len(tokenizer.decode_complete(ids[: params.min_tokens - 1],
                                                     skip_special_tokens=params.skip_special_tokens))
-        text, matched = final_text(tokenizer, ids, params.stop if gen.finish_reason == "stop" else (),
+        text, matched = final_text(tokenizer, ids, params.stop,
                                    skip_special_tokens=params.skip_special_tokens,
                                    include_stop_str_in_output=params.include_stop_str_in_output, min_end=min_end)
         gen.text = text
         if matched is not None:
-            gen.stop_reason = matched
+            gen.finish_reason, gen.stop_reason = "stop", matched
