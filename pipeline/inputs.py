@@ -226,10 +226,13 @@ def needed_columns(spec: InputSpec) -> dict[str, str]:
     return keys
 
 
+OVERRIDE_KEY = "per-row override"  # the job key naming an override column (``_job_columns``)
+
+
 def _job_columns(spec: InputSpec, names: list[str]) -> dict[str, str]:
     """``needed_columns`` plus the override columns among the input's column ``names``."""
     keys = needed_columns(spec)
-    return {**keys, **{c: "per-row override" for c in override_columns(spec, names) if c not in keys}}
+    return {**keys, **{c: OVERRIDE_KEY for c in override_columns(spec, names) if c not in keys}}
 
 
 def _check_present(keys: dict[str, str], names: list[str], where: str) -> None:
@@ -253,17 +256,23 @@ def _no_rows(spec: InputSpec) -> InputError:
 
 
 def _read_parquet(spec: InputSpec, files: list[Path], pick, stop_after: int | None) -> pa.Table:
-    keys = None
-    tables, n = [], 0
+    """The Parquet ``files`` in order (at least ``stop_after`` rows). The columns are ``pick``'s over the names
+    of every file (footers only), so an override column that only some files hold is read from those (null,
+    the job's value, in the others); a column the job names must be in every file."""
+    schemas = []
     for f in files:
         try:
-            schema = pq.read_schema(f)
+            schemas.append(pq.read_schema(f))
         except (OSError, pa.ArrowException) as e:
             raise InputError(f"input file {f}: not readable as Parquet: {e}") from None
-        keys = pick(schema.names) if not tables else keys  # the first file decides the override columns
+    keys = pick(list(dict.fromkeys(name for schema in schemas for name in schema.names)))
+    tables, n = [], 0
+    for f, schema in zip(files, schemas):
+        columns = None
         if keys is not None:
-            _check_present(keys, schema.names, str(f))
-        tables.append(pq.read_table(f, columns=None if keys is None else list(keys)))
+            _check_present({c: k for c, k in keys.items() if k != OVERRIDE_KEY}, schema.names, str(f))
+            columns = [c for c in keys if c in schema.names]
+        tables.append(pq.read_table(f, columns=columns))
         n += tables[-1].num_rows
         if stop_after is not None and n >= stop_after:
             break
@@ -356,6 +365,9 @@ def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | 
             if (problem := _csv_first_row(f)) is not None:
                 raise InputError(f"{what}: not readable: {problem}")
         kwargs["index_col"] = False  # never the first column as the index (see _csv_first_row)
+        # only an empty cell is null: pandas' default would also read the text NA, N/A, None, null, nan, ...
+        # (17 spellings) as null, so a prompt "None" failed its row and a filter on "NA" matched nothing
+        kwargs["keep_default_na"], kwargs["na_values"] = False, [""]
     with _quiet_libraries(), warnings.catch_warnings():
         # pandas dropping fields of a row (index_col=False) is an error, never lost data
         warnings.simplefilter("error", pd.errors.ParserWarning)
@@ -568,7 +580,7 @@ def _filter_mask(table: pa.Table, f: FilterSpec) -> pa.Array:
     try:
         value_set = pa.array(values, type=t)
         ok = value_set.to_pylist() == values and all(isinstance(v, bool) == pa.types.is_boolean(t) for v in values)
-    except (pa.ArrowException, TypeError, ValueError):
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):  # OverflowError: an int past int64
         ok = False
     if not ok:
         shown = repr(values[0]) if f.one_of is None else repr(values)
@@ -632,6 +644,11 @@ def _check_ids(spec: InputSpec, ids: list) -> None:
     nulls = [i for i, v in ids if v is None]
     if nulls:
         raise InputError(f"input.id_column {spec.id_column!r}: null id in row(s) {', '.join(map(str, nulls[:10]))}")
+    wide = [(i, v) for i, v in ids if isinstance(v, int) and not -2**63 <= v < 2**63]
+    if wide:
+        i, v = wide[0]
+        raise InputError(f"input.id_column {spec.id_column!r}: id {v} in row {i} does not fit a 64-bit signed "
+                         f"integer (the output's id column is int64); use string ids")
     seen, dups = set(), []
     for _, v in ids:
         if v in seen:

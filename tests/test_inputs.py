@@ -234,3 +234,46 @@ def test_id_column_may_double_as_prompt_column(tmp_path):
     pq.write_table(pa.table({"text": ["a", "b"]}), path)
     rows, id_type = read_rows(InputSpec(path=str(path), id_column="text", prompt_column="text"))
     assert [(r.id, r.prompt) for r in rows] == [("a", "a"), ("b", "b")] and id_type == pa.string()
+
+
+def test_an_override_column_in_only_some_parquet_files_is_read_from_those(tmp_path):
+    """The first file used to decide the override columns: a max_tokens column only in a later file was
+    ignored (its rows silently got the job's max_tokens), and one only in the first file stopped the job."""
+    d = tmp_path / "data"
+    write(d / "1.parquet", {"id": ["a"], "prompt": ["x"]})
+    write(d / "2.parquet", {"id": ["b"], "prompt": ["y"], "max_tokens": [1]})
+    rows, _ = read_rows(InputSpec(path=str(d), id_column="id"))
+    assert [(r.id, r.overrides) for r in rows] == [("a", {}), ("b", {"max_tokens": 1})]
+    e = tmp_path / "other"
+    write(e / "1.parquet", {"id": ["a"], "prompt": ["x"], "max_tokens": [1]})
+    write(e / "2.parquet", {"id": ["b"], "prompt": ["y"]})
+    rows, _ = read_rows(InputSpec(path=str(e), id_column="id"))
+    assert [(r.id, r.overrides) for r in rows] == [("a", {"max_tokens": 1}), ("b", {})]
+
+
+def test_an_id_past_int64_is_an_error_before_the_run(tmp_path):
+    """A uint64 id >= 2**63 passed validate and stopped the run at its first commit (OverflowError)."""
+    f = write(tmp_path / "in.parquet", {"id": pa.array([1, 2**63 + 5], pa.uint64()), "prompt": ["x", "y"]})
+    with pytest.raises(InputError, match=r"^input.id_column 'id': id 9223372036854775813 in row 1 does not fit a "
+                                         r"64-bit signed integer"):
+        read_rows(InputSpec(path=str(f), id_column="id"))
+
+
+def test_a_filter_value_past_the_column_type_is_one_line(tmp_path):
+    from pipeline.jobspec import FilterSpec
+
+    f = write(tmp_path / "in.parquet", {"n": [1, 2], "prompt": ["x", "y"]})
+    with pytest.raises(InputError, match=r"^input.filter.equals: 99999999999999999999 does not match the type of "
+                                         r"column 'n' \(int64\)$"):
+        read_rows(InputSpec(path=str(f), filter=FilterSpec(column="n", equals=99999999999999999999)))
+
+
+def test_csv_text_that_pandas_would_read_as_null_stays_text(tmp_path):
+    from pipeline.jobspec import FilterSpec
+
+    f = tmp_path / "in.csv"
+    f.write_text("id,prompt,country\n1,hello,NA\n2,None,US\n3,N/A,null\n4,,nan\n", encoding="utf-8")
+    rows, _ = read_rows(InputSpec(path=str(f), id_column="id"))
+    assert [(r.id, r.prompt) for r in rows] == [(1, "hello"), (2, "None"), (3, "N/A"), (4, None)]
+    rows, _ = read_rows(InputSpec(path=str(f), id_column="id", filter=FilterSpec(column="country", equals="NA")))
+    assert [r.id for r in rows] == [1]
