@@ -100,6 +100,27 @@ def test_rows_added_later_are_generated_and_removed_rows_reported(tiny, tmp_path
     assert all(rows[i] == first[i] for i in first)
 
 
+def test_positional_ids_refuse_an_input_whose_committed_rows_moved(tiny, tmp_path):
+    """Without input.id_column a row's id is its position. A row inserted at the top of the input used to be
+    taken as "rows added": the old last row was generated again under a new id, the new row never, and
+    export --join-input paired completions with the wrong prompts. Rows appended at the end are fine."""
+    data = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["alpha", "beta"]}), data)
+    job = write_job(tmp_path, tiny, data, input_extra={"id_column": None})
+    run_cli("run", str(job), "--no-progress")
+    pq.write_table(pa.table({"prompt": ["alpha", "beta", "gamma"]}), data)  # appended: positions kept
+    out = run_cli("run", str(job), "--no-progress").stdout
+    assert "done: 1 row written (0 failed, 2 from earlier runs)" in out
+    before = manifest(tmp_path / "out")
+    pq.write_table(pa.table({"prompt": ["NEW", "alpha", "beta", "gamma"]}), data)  # inserted at the top
+    proc = run_cli("run", str(job), "--no-progress", expect=2)
+    assert proc.stderr.splitlines() == [
+        "error: input.id_column is not set, so rows are keyed by their position, and the input changed since the "
+        "last run: row 0 is now 'NEW', its committed output was made from 'alpha'; set input.id_column, or use "
+        "a new output.dir (or --output-dir DIR)"]
+    assert manifest(tmp_path / "out") == before  # nothing generated or recorded
+
+
 def test_leftovers_of_a_crash_are_removed_and_reported(tiny, tmp_path):
     data = write_input(tmp_path / "in.parquet", PROMPTS)
     job = write_job(tmp_path, tiny, data)

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from .. import _blas, outdir, shards
 from ..describe import parameter_count
-from ..inputs import read_rows
+from ..inputs import InputError, InputRow, read_rows
 from ..jobspec import JobSpec
 from ..loader import LoadedModel, model_identity
 from ..models.base import weight_format
@@ -272,6 +272,8 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
     inputs = input_state(job)
     _report_open(store, inputs, echo)
     done = store.committed_keys()
+    if not job.input.id_column and done and store.manifest.get("inputs", inputs) != inputs:
+        check_positions(store, rows)
     planned = plan_samples(job, rows)
     if limit is None and job.input.limit is None and job.input.filter is None:  # else rows left out on purpose
         _report_removed(done - {(r.id, k) for r, k, _ in planned}, echo)
@@ -529,6 +531,39 @@ def _report_open(store: ShardStore, inputs: list[dict], echo) -> None:
     before = store.manifest.get("inputs")
     if before is not None and before != inputs:
         echo("the input files changed since the last run: rows added are generated, committed rows are kept")
+
+
+def user_text(row: InputRow) -> str | None:
+    """The text a row's output ``prompt`` column records (``prompts.prompt_messages``): its last user turn, or
+    its prompt; None where it has neither (a failed row's)."""
+    if isinstance(row.messages, list):
+        users = [m.get("content") for m in row.messages if isinstance(m, dict) and m.get("role") == "user"]
+        return users[-1] if users and isinstance(users[-1], str) else None
+    return row.prompt
+
+
+def check_positions(store: ShardStore, rows: list[InputRow]) -> None:
+    """Without ``input.id_column`` a row's id is its position in the input: after the input files changed, each
+    committed row still at its position must have been made from the text that is there now (rows appended
+    keep the positions of the others; a row inserted, removed or moved does not).
+
+    Raises:
+        InputError: the first committed row whose recorded prompt differs from the input's row at its position.
+    """
+    at = {r.id: r for r in rows}
+    table = store.committed_table(["id", "prompt"])
+    for i, recorded in zip(table.column("id").to_pylist(), table.column("prompt").to_pylist()):
+        row = at.get(i)
+        now = None if row is None else user_text(row)
+        if recorded is not None and now is not None and now != recorded:
+            raise InputError(
+                f"input.id_column is not set, so rows are keyed by their position, and the input changed since "
+                f"the last run: row {i} is now {_short(now)}, its committed output was made from {_short(recorded)}; "
+                "set input.id_column, or use a new output.dir (or --output-dir DIR)")
+
+
+def _short(text: str) -> str:
+    return repr(text if len(text) <= 40 else text[:37] + "...")
 
 
 def _report_removed(keys: set[tuple], echo) -> None:
