@@ -304,9 +304,9 @@ def _quiet_libraries():
             lg.setLevel(level)
 
 
-def _stream(dataset, what: str, stop_after: int | None) -> pa.Table | None:
+def _stream(dataset, what: str, stop_after: int | None, passed: tuple[type, ...] = ()) -> pa.Table | None:
     """The Arrow batches of a streaming ``datasets.IterableDataset``, concatenated (None: no rows); stops
-    reading after ``stop_after`` rows."""
+    reading after ``stop_after`` rows. Exceptions of the ``passed`` types propagate as they are."""
     tables, n = [], 0
     try:
         for batch in dataset.with_format("arrow").iter(batch_size=_BATCH_ROWS):
@@ -315,6 +315,8 @@ def _stream(dataset, what: str, stop_after: int | None) -> pa.Table | None:
             if stop_after is not None and n >= stop_after:
                 break
         table = pa.concat_tables(tables, promote_options="permissive") if tables else None
+    except passed:
+        raise
     except Exception as e:  # noqa: BLE001 - datasets and its readers raise many types; the job gets one line
         raise InputError(f"{what}: not readable: {_first_line(e)}") from None
     if table is None or table.num_rows == 0:
@@ -354,6 +356,7 @@ def _csv_first_row(f: Path) -> str | None:
 def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | None) -> pa.Table:
     import datasets
     import pandas as pd
+    from datasets.table import CastError
 
     what = f"input.path {spec.path!r} ({_FORMAT_NAMES[fmt]})"
     files = [f for f in files if not _is_blank(f)]
@@ -368,18 +371,47 @@ def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | 
         # only an empty cell is null: pandas' default would also read the text NA, N/A, None, null, nan, ...
         # (17 spellings) as null, so a prompt "None" failed its row and a filter on "NA" matched nothing
         kwargs["keep_default_na"], kwargs["na_values"] = False, [""]
-    with _quiet_libraries(), warnings.catch_warnings():
-        # pandas dropping fields of a row (index_col=False) is an error, never lost data
-        warnings.simplefilter("error", pd.errors.ParserWarning)
+    def load(data_files: list[Path], passed: tuple[type, ...] = ()) -> pa.Table | None:
         try:
-            ds = datasets.load_dataset(fmt, data_files=[str(f) for f in files], split="train", streaming=True,
+            ds = datasets.load_dataset(fmt, data_files=[str(f) for f in data_files], split="train", streaming=True,
                                        **kwargs)
         except Exception as e:  # noqa: BLE001 - see _stream
             raise InputError(f"{what}: not readable: {_first_line(e)}") from None
-        table = _stream(ds, what, stop_after)
+        return _stream(ds, what, stop_after, passed)
+
+    with _quiet_libraries(), warnings.catch_warnings():
+        # pandas dropping fields of a row (index_col=False) is an error, never lost data
+        warnings.simplefilter("error", pd.errors.ParserWarning)
+        if len(files) == 1:
+            table = load(files)
+        else:
+            try:
+                table = load(files, passed=(CastError,))
+            except CastError:
+                # datasets takes every file's columns from the first file's: read each on its own and join
+                # them, a column missing from a file null in its rows (an override column, say)
+                table = _concat_files(spec, files, [load([f]) for f in files])
     if table is None:
         raise _no_rows(spec)
     return table
+
+
+def _concat_files(spec: InputSpec, files: list[Path], tables: list[pa.Table | None]) -> pa.Table | None:
+    """The tables of ``files`` read one by one, in order (None: no rows), columns unified by name.
+
+    Raises:
+        InputError: two files hold a column of types that do not unify, naming the first such file.
+    """
+    out = None
+    for f, t in zip(files, tables):
+        if t is None:
+            continue
+        try:
+            out = t if out is None else pa.concat_tables([out, t], promote_options="permissive")
+        except pa.ArrowException as e:
+            raise InputError(f"input.path {spec.path!r}: {f} does not fit the files before it: "
+                             f"{_first_line(e)}") from None
+    return out
 
 
 def _read_hub(d: DatasetSpec, stop_after: int | None) -> pa.Table | None:

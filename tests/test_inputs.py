@@ -277,3 +277,17 @@ def test_csv_text_that_pandas_would_read_as_null_stays_text(tmp_path):
     assert [(r.id, r.prompt) for r in rows] == [(1, "hello"), (2, "None"), (3, "N/A"), (4, None)]
     rows, _ = read_rows(InputSpec(path=str(f), id_column="id", filter=FilterSpec(column="country", equals="NA")))
     assert [r.id for r in rows] == [1]
+
+
+def test_a_column_only_in_a_later_jsonl_file_is_read(tmp_path):
+    """datasets takes the columns of every JSON file from the first one: a max_tokens column only in the second
+    file stopped the job with "not readable: Couldn't cast" and no file named."""
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "1.jsonl").write_text('{"id": "a", "prompt": "x"}\n', encoding="utf-8")
+    (d / "2.jsonl").write_text('{"id": "b", "prompt": "y", "max_tokens": 1}\n', encoding="utf-8")
+    rows, _ = read_rows(InputSpec(path=str(d), id_column="id"))
+    assert [(r.id, r.prompt, r.overrides) for r in rows] == [("a", "x", {}), ("b", "y", {"max_tokens": 1})]
+    (d / "3.jsonl").write_text('{"id": "c", "prompt": "z", "max_tokens": [1, 2]}\n', encoding="utf-8")
+    with pytest.raises(InputError, match=r"3.jsonl does not fit the files before it"):
+        read_rows(InputSpec(path=str(d), id_column="id"))
