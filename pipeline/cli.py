@@ -314,9 +314,9 @@ def report(out_dir, out):
     """Write an HTML report of OUT_DIR with PNG charts: decode tok/s over the run, TTFT vs prompt length,
     completion lengths, finish reasons, failed rows, fingerprint and summary numbers.
 
-    Exit status: 2 for a bad command line (a task: score OUT_DIR, an --out that cannot be written: a parent
-    that is a file, a read-only file system) or a damaged OUT_DIR; 1 when matplotlib is missing or no space
-    is left."""
+    Exit status: 2 for a bad command line (a task: score OUT_DIR, an --out in OUT_DIR itself or over its files,
+    an --out that cannot be written: a parent that is a file, a read-only file system) or a damaged OUT_DIR; 1
+    when matplotlib is missing or no space is left."""
     from .report import ReportError, write_report
 
     try:

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .export import destination_error, file_in_the_way, read_committed, replace_beside
+from .outdir import LOCK
 from .status import format_settings, job_status, recorded_totals
 
 # Chart files, written beside the HTML page: file name -> alt text.
@@ -257,9 +258,11 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
 
     Raises:
         ReportError: matplotlib is not installed; ``out_dir`` holds ``task: score`` results; the page's
-            directory cannot be made or written (a parent that is a file, a read-only or special file system,
-            no space left: one line naming ``--out`` and the OS's reason; each file is written under a
-            temporary name and renamed, so none is left half written).
+            directory is ``out_dir`` itself, or the page or a chart would replace ``manifest.json``, the lock
+            file or a committed shard (exit 2, nothing written); the page's directory cannot be made or written
+            (a parent that is a file, a read-only or special file system, no space left: one line naming
+            ``--out`` and the OS's reason; each file is written under a temporary name and renamed, so none is
+            left half written).
         OutputError: ``out_dir`` has no manifest, or a committed shard is missing or damaged (as in
             ``pipeline export``).
     """
@@ -277,6 +280,7 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
     page = Path(out) if out is not None else out_dir / "report" / "report.html"
     option = "--out" if out is not None else "the default --out"
     try:
+        _check_page(out_dir, manifest, page, option)
         blocker = file_in_the_way(page)
         if blocker is not None:
             raise ReportError(f"{option} {page}: cannot write it: {blocker} is a file, not a directory", exit_code=2)
@@ -321,6 +325,27 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
     except OSError as e:
         raise destination_error(option, page, e, ReportError) from None
     return page
+
+
+def _check_page(out_dir: Path, manifest: dict, page: Path, option: str) -> None:
+    """Refuse a page that would replace ``out_dir``'s own files: one whose directory is ``out_dir`` (its charts
+    would land beside the shards), or whose path or a chart's is ``manifest.json``, the lock file or a
+    committed shard (symlinks resolved).
+
+    Raises:
+        ReportError: exit 2, one line naming ``option``.
+    """
+    root = out_dir.resolve()
+    if page.parent.resolve() == root:
+        default = out_dir / "report" / "report.html"
+        raise ReportError(f"{option} {page}: in the output dir {out_dir} itself, beside its shards and "
+                          f"manifest.json; write it elsewhere, or in a subdirectory (the default is {default})",
+                          exit_code=2)
+    own = {root / "manifest.json", root / LOCK, *(root / s["file"] for s in manifest["shards"])}
+    for path in (page, *(page.parent / name for name in CHARTS)):
+        if path.resolve() in own:
+            raise ReportError(f"{option} {page}: would replace {path}, a file of the output dir {out_dir}; write "
+                              "the report elsewhere", exit_code=2)
 
 
 def _finite(v):

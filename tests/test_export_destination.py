@@ -165,3 +165,32 @@ def test_export_results_raises_export_error(out, afile):
     with pytest.raises(ExportError, match="is a file, not a directory") as e:
         export_results(out, str(afile / "x.jsonl"))
     assert e.value.exit_code == 2
+
+
+def files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_report_out_in_the_output_dir_itself_is_refused(out, tmp_path):
+    """An --out whose directory is OUT_DIR (through a symlink too), or that names its manifest, a shard or the
+    lock file, is one line naming --out, exit 2, and OUT_DIR is unchanged (the page replaced manifest.json or
+    a shard, the charts landed beside them; exit 0); a subdirectory of OUT_DIR is fine, as the default's."""
+    (tmp_path / "link").symlink_to(out)
+    before = files(out)
+    for page in (out / "manifest.json", out / "part-00000.parquet", out / ".lock", out / "r.html",
+                 tmp_path / "link" / "r.html", out / "report" / ".." / "r.html"):
+        code, err = cli("report", out, "--out", page)
+        assert code == 2 and len(err) == 1, (page, code, err)
+        assert err[0].startswith(f"error: --out {page}: in the output dir {out} itself"), err
+    assert files(out) == before
+    page = tmp_path / "copy" / "sub" / "r.html"
+    shutil.copytree(out, tmp_path / "copy")
+    page.parent.mkdir()
+    (page.parent / "decode_tps.png").symlink_to(tmp_path / "copy" / "manifest.json")  # a chart's path
+    assert cli("report", tmp_path / "copy", "--out", page) == (2, [
+        f"error: --out {page}: would replace {page.parent / 'decode_tps.png'}, a file of the output dir "
+        f"{tmp_path / 'copy'}; write the report elsewhere"])
+    (page.parent / "decode_tps.png").unlink()
+    assert cli("report", tmp_path / "copy", "--out", page)[0] == 0
+    assert sorted(p.name for p in page.parent.iterdir()) == ["completion_tokens.png", "decode_tps.png",
+                                                             "finish_reason.png", "r.html", "ttft_vs_prompt.png"]
