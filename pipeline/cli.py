@@ -290,7 +290,7 @@ def export(out_dir, to, join_input, overwrite, pivot, json_fields):
 
     It is written under a temporary name beside PATH and renamed, so a failed export leaves nothing there.
 
-    Exit status: 2 for a bad command line (unknown format, PATH exists or lies in OUT_DIR, --pivot of a
+    Exit status: 2 for a bad command line (unknown format, PATH exists, lies in OUT_DIR or holds it, --pivot of a
     generate output, ...), a PATH that cannot be written (a parent that is a file, a read-only file system)
     or a problem with OUT_DIR or its input; 1 when no space is left at PATH.
     """

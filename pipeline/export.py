@@ -26,9 +26,9 @@ _JSON_DECIMALS = 15  # pandas' most; floats in JSON Lines keep 15 decimal places
 
 class ExportError(RuntimeError):
     """The export cannot be made as asked: an unknown format, a destination that exists, lies inside OUT_DIR or
-    cannot be written (its parent is a file, a read-only or special file system: ``--to`` and the OS's reason),
-    ``--pivot`` of an output that is not ``task: score``'s, nothing committed. A bad command line: the CLI exits
-    with ``exit_code``, 2, except where the destination has no space left (1, as for ``pipeline run``).
+    holds it, or cannot be written (its parent is a file, a read-only or special file system: ``--to`` and the
+    OS's reason), ``--pivot`` of an output that is not ``task: score``'s, nothing committed. A bad command line:
+    the CLI exits with ``exit_code``, 2, except where the destination has no space left (1, as for ``pipeline run``).
     """
 
     exit_code = 2
@@ -232,6 +232,9 @@ def _check_destination(out_dir: Path, to: Path, fmt: str, overwrite: bool) -> No
         if to.resolve() == out_dir.resolve() or out_dir.resolve() in to.resolve().parents:
             raise ExportError(f"--to {to}: inside the output dir {out_dir} (its readers would see the export as "
                               "results); write it elsewhere")
+        if to.resolve() in out_dir.resolve().parents:
+            raise ExportError(f"--to {to}: holds the output dir {out_dir} (replacing it would delete the results); "
+                              "write it elsewhere")
         blocker = file_in_the_way(to)
         if blocker is not None:
             raise ExportError(f"--to {to}: cannot write it: {blocker} is a file, not a directory")
@@ -377,7 +380,7 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
     Raises:
         OutputError: ``out_dir`` has no manifest, or a committed shard is missing or damaged (its bytes do
             not match the manifest's size or sha256): nothing is written.
-        ExportError: nothing committed, unknown format, destination exists or lies inside ``out_dir``, or
+        ExportError: nothing committed, unknown format, destination exists, lies inside ``out_dir`` or holds it, or
             cannot be written (a parent that is a file, a read-only or special file system, no space left;
             nothing is left at the destination); ``pivot`` of an output that is not ``task: score``'s;
             ``json_fields`` with ``pivot``.

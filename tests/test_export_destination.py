@@ -194,3 +194,19 @@ def test_report_out_in_the_output_dir_itself_is_refused(out, tmp_path):
     assert cli("report", tmp_path / "copy", "--out", page)[0] == 0
     assert sorted(p.name for p in page.parent.iterdir()) == ["completion_tokens.png", "decode_tps.png",
                                                              "finish_reason.png", "r.html", "ttft_vs_prompt.png"]
+
+
+def test_export_onto_a_directory_holding_the_output_dir_is_refused(out, tmp_path):
+    """--to D --overwrite, D a saved dataset that holds OUT_DIR (directly, deeper, or through a symlink to D), is
+    one line, exit 2, and OUT_DIR is kept (D was deleted, OUT_DIR with it)."""
+    ds = tmp_path / "ds"
+    assert cli("export", out, "--to", ds)[0] == 0
+    shutil.copytree(out, ds / "runs" / "out")
+    (tmp_path / "link").symlink_to(ds)
+    before = files(ds)
+    for inner, to in ((ds / "runs" / "out", ds), (ds / "runs" / "out", tmp_path / "link"),
+                      (tmp_path / "link" / "runs" / "out", ds)):
+        code, err = cli("export", inner, "--to", to, "--overwrite")
+        assert (code, err) == (2, [f"error: --to {to}: holds the output dir {inner} (replacing it would delete the "
+                                   "results); write it elsewhere"])
+    assert files(ds) == before
