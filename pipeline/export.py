@@ -27,8 +27,9 @@ _JSON_DECIMALS = 15  # pandas' most; floats in JSON Lines keep 15 decimal places
 class ExportError(RuntimeError):
     """The export cannot be made as asked: an unknown format, a destination that exists, lies inside OUT_DIR or
     holds it, or cannot be written (its parent is a file, a read-only or special file system: ``--to`` and the
-    OS's reason), ``--pivot`` of an output that is not ``task: score``'s, nothing committed. A bad command line:
-    the CLI exits with ``exit_code``, 2, except where the destination has no space left (1, as for ``pipeline run``).
+    OS's reason), ``--pivot`` of an output that is not ``task: score``'s, ``--json-fields`` of one that is,
+    nothing committed. A bad command line: the CLI exits with ``exit_code``, 2, except where the destination has no
+    space left (1, as for ``pipeline run``).
     """
 
     exit_code = 2
@@ -317,7 +318,12 @@ def json_columns(table: pa.Table, schema: dict | None = None) -> pa.Table:
     A row whose completion does not parse as a JSON object (a failed row, one cut by ``max_tokens``, a
     value that is not an object) is kept: its fields are null and ``json_error`` (string) says why; null
     where the completion parsed.
+
+    Raises:
+        ExportError: ``table`` has no ``completion`` column (a ``task: score`` output).
     """
+    if "completion" not in table.column_names:
+        raise ExportError("--json-fields: the output holds no completions (task: score); nothing to parse")
     parsed, errors = [], []
     for text in table.column("completion").to_pylist():
         if text is None:
@@ -383,7 +389,7 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
         ExportError: nothing committed, unknown format, destination exists, lies inside ``out_dir`` or holds it, or
             cannot be written (a parent that is a file, a read-only or special file system, no space left;
             nothing is left at the destination); ``pivot`` of an output that is not ``task: score``'s;
-            ``json_fields`` with ``pivot``.
+            ``json_fields`` with ``pivot``, or of a ``task: score`` output.
         InputError: ``join_input`` and the input cannot be read.
     """
     out_dir, dest = Path(out_dir), Path(to)

@@ -82,6 +82,19 @@ def test_report_refuses_score_outputs(scored):
         write_report(scored[0])
 
 
+def test_export_json_fields_of_score_outputs_is_one_line(scored, tmp_path):
+    """--json-fields on a task: score output (no completion column) is one error line, exit 2, nothing written
+    (was a KeyError traceback), as --pivot of a generate output."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    result = CliRunner().invoke(main, ["export", str(scored[0]), "--to", str(tmp_path / "j.parquet"), "--json-fields"])
+    assert (result.exit_code, result.stderr) == (
+        2, "error: --json-fields: the output holds no completions (task: score); nothing to parse\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_schema(scored):
     schema = read(scored[0]).schema
     assert {f.name: f.type for f in schema} == {
