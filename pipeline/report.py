@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 
 from .export import destination_error, file_in_the_way, read_committed, replace_beside
 from .outdir import LOCK
-from .status import format_settings, job_status, recorded_totals
+from .status import completeness, format_settings, job_status, recorded_totals
 
 # Chart files, written beside the HTML page: file name -> alt text.
 CHARTS = {
@@ -312,7 +312,7 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
     except OSError as e:
         raise destination_error(option, page, e, ReportError) from None
     html = _PAGE.render(
-        out_dir=str(out_dir), state="complete" if status["complete"] else "incomplete", shards=status["shards"],
+        out_dir=str(out_dir), state=completeness(status), shards=status["shards"],
         summary=summary, numbers=[(k, label, _finite(v)) for k, label, v in numbers], shown=_shown,
         finish=finish_counts(table), charts=[(c, CHARTS[c]) for c in charts],
         failed_rows=failed[:_MAX_FAILED_SHOWN], failed_total=len(failed),

@@ -30,7 +30,8 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         that ended without recording it, e.g. killed: their rows are committed, their time is unknown,
         so neither counts in ``throughput_tps``), ``eta_s`` (pending rows x wall seconds per row of
         those runs; without any, the mean of the committed rows' ``total_s``), ``runs``, ``complete``
-        (no row pending; the last run's own flag when the input cannot be read), ``shards``,
+        (no row pending; None, unknown, when the manifest records no job or its input cannot be read: the
+        manifest's own flag covers only the last run's ``--limit``), ``shards``,
         ``settings`` (the committed rows grouped by the settings that made them, ``settings_groups``),
         ``settings_mixed`` (more than one group, or rows whose settings were not recorded) and
         ``fingerprint`` (a short summary of the settings; with mixed settings the fields that differ
@@ -67,7 +68,7 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         "generation_s": timed["seconds"],
         "runs": len(runs),
         "runs_unrecorded": len(runs) - timed["runs"],
-        "complete": bool(manifest.get("complete")),
+        "complete": None,  # known with the pending rows: the manifest's flag covers only a run's --limit
         "shards": len(manifest["shards"]),
         **_settings(manifest),
         "rows_pending": None,
@@ -94,7 +95,7 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
 
     committed = set() if table is None else set(zip(table["id"].to_pylist(), table[key].to_pylist()))
     status["rows_pending"] = sum((r.id, k) not in committed for r, k, _ in plan_samples(job, rows))
-    status["complete"] = status["rows_pending"] == 0  # the manifest's flag covers only a run's --limit
+    status["complete"] = status["rows_pending"] == 0
     if status["rows_pending"] == 0:
         status["eta_s"] = 0.0
     elif timed_rows and status["generation_s"] > 0:  # wall time: rows overlap in batched mode and on Ray
@@ -275,12 +276,17 @@ def _duration(s: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def completeness(st: dict) -> str:
+    """``complete``, ``incomplete`` or, when the pending rows are unknown, ``completeness unknown``."""
+    return {True: "complete", False: "incomplete"}.get(st["complete"], "completeness unknown")
+
+
 def format_status(st: dict) -> str:
     """``job_status`` as a few human-readable lines."""
     pending = st["rows_pending"] if st["rows_pending"] is not None else f"unknown ({st['pending_error']})"
     tput = f"{st['throughput_tps']:.1f} tok/s" if st["throughput_tps"] else "n/a"
     mean = f"{st['mean_decode_tps']:.1f} tok/s" if st["mean_decode_tps"] else "n/a"
-    state = "complete" if st["complete"] else "incomplete"
+    state = completeness(st)
     untimed = st.get("runs_unrecorded") or 0
     unrecorded = f" ({untimed} run(s) ended unrecorded, e.g. killed: not counted)" if untimed else ""
     settings = format_settings(st)

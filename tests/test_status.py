@@ -142,3 +142,22 @@ def test_a_manifest_without_its_job_says_the_pending_rows_are_unknown(tiny, tmp_
     assert st["rows_done"] == 2 and st["rows_pending"] is None and st["eta_s"] is None
     assert st["pending_error"] == "the manifest records no job (info.job)"
     assert "unknown (the manifest records no job (info.job))" in format_status(st)
+
+
+def test_completeness_is_unknown_when_the_input_cannot_be_read(tiny, tmp_path):
+    """A --limit run leaves the manifest's own flag set ('complete' for that run's rows); with the input gone,
+    status (text and JSON) and the report say completeness is unknown, not complete."""
+    from pipeline.report import write_report
+
+    spec = job(tiny, tmp_path)
+    out = tmp_path / "out"
+    run_job(spec, limit=2, progress=False, echo=lambda _: None)
+    assert json.loads((out / "manifest.json").read_text())["complete"] is True
+    assert job_status(out)["complete"] is False  # 4 rows pending
+    (tmp_path / "in.parquet").rename(tmp_path / "moved.parquet")
+    st = job_status(out)
+    assert st["complete"] is None and st["rows_pending"] is None and st["pending_error"]
+    assert json.loads(json.dumps(st))["complete"] is None
+    assert format_status(st).splitlines()[0] == f"{out}: completeness unknown, 1 shard(s), 1 run(s)"
+    page = write_report(out).read_text()
+    assert f"<code>{out}</code>: completeness unknown;" in page and "complete;" not in page
