@@ -149,11 +149,15 @@ def export_format(to: str) -> str:
     written with a trailing ``/``, ``--to .data/``).
 
     Raises:
-        ExportError: any other suffix, or a name that is only a suffix.
+        ExportError: any other suffix, or a name that is only a suffix; a name the OS refuses to look up (too
+            long: "--to NAME: cannot write it: File name too long").
     """
     p = Path(to)
-    if to.endswith(("/", os.sep)) or p.is_dir():
-        return "hf-dir"
+    try:
+        if to.endswith(("/", os.sep)) or p.is_dir():
+            return "hf-dir"
+    except OSError as e:
+        raise destination_error("--to", to, e) from None
     if p.name.startswith(".") and "." not in p.name[1:]:
         example = f"results{p.name}" if p.name in (".parquet", ".jsonl") else "results.parquet"
         raise ExportError(f"--to {to}: {p.name!r} is only a suffix, not a file name; name the file (e.g. "

@@ -210,3 +210,10 @@ def test_export_onto_a_directory_holding_the_output_dir_is_refused(out, tmp_path
         assert (code, err) == (2, [f"error: --to {to}: holds the output dir {inner} (replacing it would delete the "
                                    "results); write it elsewhere"])
     assert files(ds) == before
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl", ""])
+def test_a_file_name_too_long_is_one_line(out, tmp_path, suffix):
+    to = tmp_path / ("x" * 260 + suffix)
+    assert cli("export", out, "--to", to) == (2, [f"error: --to {to}: cannot write it: File name too long"])
+    assert listing(tmp_path) == []
