@@ -337,8 +337,8 @@ def json_columns(table: pa.Table, schema: dict | None = None) -> pa.Table:
                 value, error = json.loads(text), None
             except ValueError as e:
                 value, error = None, f"not JSON: {e}"
-        if value is not None and not isinstance(value, dict):
-            value, error = None, f"not a JSON object: {type(value).__name__}"
+        if error is None and not isinstance(value, dict):  # null parses too, as None
+            value, error = None, f"not a JSON object: {'null' if value is None else type(value).__name__}"
         parsed.append(value)
         errors.append(error)
     names = list(dict.fromkeys([*(k for v in parsed if v is not None for k in v),

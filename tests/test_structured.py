@@ -616,6 +616,19 @@ def test_json_fields_named_like_a_column_get_unique_names(tmp_path):
         "none", None]
 
 
+def test_json_fields_a_completion_that_is_null_is_not_an_object():
+    """A completion ``null`` parses (to None) but is no object: its json_error says so, as ``[]``'s does (it
+    counted as parsed, json_error null)."""
+    import pyarrow as pa
+
+    from pipeline.export import json_columns
+
+    table = pa.table({"completion": ["null", "[]", '{"a": 1}', None]})
+    assert json_columns(table).select(["a", "json_error"]).to_pylist() == [
+        {"a": None, "json_error": "not a JSON object: null"}, {"a": None, "json_error": "not a JSON object: list"},
+        {"a": 1, "json_error": None}, {"a": None, "json_error": "no completion"}]
+
+
 def test_warm_up_traces_the_constrained_step(tmp_path):
     """A structured job's warm-up traces the forward-only step its constrained rows decode with (compiled
     where the machine compiles), so the first row traces nothing."""
