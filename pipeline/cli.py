@@ -276,7 +276,8 @@ def status(out_dir, as_json, verify):
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--to", "to", required=True, metavar="PATH",
               help="results.parquet, results.jsonl, or a directory (datasets' save_to_disk; load_from_disk reads it); "
-                   "a name that is only a suffix (.parquet) is refused, a hidden directory ends with / (.data/).")
+                   "a name that is only a suffix (.parquet) is refused, a hidden directory ends with / (.data/), "
+                   "as does a directory named like a file (x.parquet/).")
 @click.option("--join-input", is_flag=True, help="Add the input's columns (joined by id).")
 @click.option("--overwrite", is_flag=True, help="Replace PATH if it exists.")
 @click.option("--pivot", is_flag=True,

@@ -142,7 +142,8 @@ def manifest_job(manifest: dict) -> JobSpec | None:
 
 def export_format(to: str) -> str:
     """"parquet" (``.parquet``), "jsonl" (``.jsonl``) or "hf-dir" (no suffix, a trailing ``/``, or an
-    existing directory).
+    existing directory of another suffix). A ``.parquet`` or ``.jsonl`` name without a trailing ``/`` names a
+    file even where a directory of that name exists (``_check_destination`` refuses it).
 
     A last name that is only a suffix (``.parquet``, ``out/.jsonl``, ``.csv``: a dot, then no other dot) names
     no file: it is refused, not written as a hidden directory of that name (a hidden dataset directory is
@@ -153,8 +154,12 @@ def export_format(to: str) -> str:
             long: "--to NAME: cannot write it: File name too long").
     """
     p = Path(to)
+    if to.endswith(("/", os.sep)):
+        return "hf-dir"
+    if p.suffix in (".parquet", ".jsonl"):
+        return p.suffix[1:]
     try:
-        if to.endswith(("/", os.sep)) or p.is_dir():
+        if p.is_dir():
             return "hf-dir"
     except OSError as e:
         raise destination_error("--to", to, e) from None
@@ -162,10 +167,6 @@ def export_format(to: str) -> str:
         example = f"results{p.name}" if p.name in (".parquet", ".jsonl") else "results.parquet"
         raise ExportError(f"--to {to}: {p.name!r} is only a suffix, not a file name; name the file (e.g. "
                           f"{example}), or end a directory's name with / (--to {to}/)")
-    if p.suffix == ".parquet":
-        return "parquet"
-    if p.suffix == ".jsonl":
-        return "jsonl"
     if not p.suffix:
         return "hf-dir"
     raise ExportError(f"--to {to}: unknown format {p.suffix!r}; use a .parquet or .jsonl file, or a directory "
@@ -243,6 +244,9 @@ def _check_destination(out_dir: Path, to: Path, fmt: str, overwrite: bool) -> No
         blocker = file_in_the_way(to)
         if blocker is not None:
             raise ExportError(f"--to {to}: cannot write it: {blocker} is a file, not a directory")
+        if fmt != "hf-dir" and to.is_dir():
+            raise ExportError(f"--to {to}: a directory, not a {fmt} file; not replacing it (--to {to}/ writes a "
+                              "datasets directory)")
         if not (to.exists() or to.is_symlink()):
             return
         if not overwrite:
@@ -377,7 +381,7 @@ def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, ov
         out_dir: a pipeline output directory.
         to: ``*.parquet`` (pyarrow), ``*.jsonl`` (``datasets``' ``to_json``: one object per line, floats
             with 15 decimal places) or a directory (``datasets``' ``save_to_disk``; ``load_from_disk``
-            reads it).
+            reads it): no suffix or a trailing ``/`` (``export_format``).
         join_input: add the input's columns (the id column aside; names the results use get an
             ``input_`` prefix), nulls for rows no longer in the input.
         overwrite: replace an existing destination (a directory only if it is a saved dataset or empty).

@@ -128,6 +128,23 @@ def test_hf_dir_over_an_existing_file_is_refused(out, tmp_path):
     assert f.read_text() == "keep me"
 
 
+def test_a_directory_named_like_a_file_is_refused(out, tmp_path):
+    """An existing directory named x.parquet or x.jsonl (empty, or a saved dataset) is refused as --to, with
+    --overwrite too: the suffix names a file (it was written as a datasets directory); a trailing / writes one."""
+    (tmp_path / "x.parquet").mkdir()
+    assert cli("export", out, "--to", f"{tmp_path / 'x.jsonl'}/")[0] == 0
+    saved = files(tmp_path / "x.jsonl")
+    for name, fmt in (("x.parquet", "parquet"), ("x.jsonl", "jsonl")):
+        to = tmp_path / name
+        for extra in ([], ["--overwrite"]):
+            assert cli("export", out, "--to", to, *extra) == (2, [
+                f"error: --to {to}: a directory, not a {fmt} file; not replacing it (--to {to}/ writes a datasets "
+                "directory)"])
+    assert listing(tmp_path / "x.parquet") == [] and files(tmp_path / "x.jsonl") == saved
+    assert cli("export", out, "--to", f"{tmp_path / 'x.parquet'}/", "--overwrite")[0] == 0
+    assert datasets.load_from_disk(str(tmp_path / "x.parquet")).num_rows == 4
+
+
 # --- real read-only and full file systems ---------------------------------------------------------------------
 
 
