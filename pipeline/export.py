@@ -318,8 +318,10 @@ def json_columns(table: pa.Table, schema: dict | None = None) -> pa.Table:
     The fields are every key met, in first-seen order (llguidance writes an object's properties in its
     schema's order), then the ``properties`` of ``schema`` (the job's ``generation.structured.json``) that no
     completion holds, so a schema's optional fields always get a column. A field whose values are all strings,
-    all booleans, or all numbers keeps that type (pyarrow's: string, bool, int64 or double); an object or an
-    array, or a mix of types, is written as its JSON text (string), so the table stays flat. A field whose
+    all booleans, or all numbers keeps that type (pyarrow's: string, bool, int64 or double; integers and floats
+    mixed: double); an object or an array, a mix of types, or numbers no such type holds exactly (an integer
+    beyond int64, or beside floats one that double cannot hold, beyond 2**53: 9007199254740993), is written as
+    its JSON text (string), so the table stays flat and every value exact. A field whose
     name the results or ``json_error`` use gets a ``json_`` prefix, as many as it takes to be unique (a field
     ``error``: ``json_json_error``).
 
@@ -359,12 +361,22 @@ def _flat_column(values: list) -> pa.Array:
              for v in values if v is not None}
     if len(kinds) == 1 and kinds <= {str, bool, (int, float)}:
         if kinds == {(int, float)} and any(isinstance(v, float) for v in values):
-            return pa.array([None if v is None else float(v) for v in values], pa.float64())
-        try:
-            return pa.array(values)
-        except (pa.ArrowInvalid, OverflowError):  # an integer beyond int64
-            pass
+            if all(v is None or isinstance(v, float) or _exact_float(v) for v in values):
+                return pa.array([None if v is None else float(v) for v in values], pa.float64())
+        else:
+            try:
+                return pa.array(values)
+            except (pa.ArrowInvalid, OverflowError):  # an integer beyond int64
+                pass
     return pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values], pa.string())
+
+
+def _exact_float(n: int) -> bool:
+    """Whether the integer ``n`` is exactly a float64 (Python compares int and float exactly)."""
+    try:
+        return float(n) == n
+    except OverflowError:  # beyond float64's range
+        return False
 
 
 def export_results(out_dir: str | Path, to: str, *, join_input: bool = False, overwrite: bool = False,

@@ -629,6 +629,23 @@ def test_json_fields_a_completion_that_is_null_is_not_an_object():
         {"a": 1, "json_error": None}, {"a": None, "json_error": "no completion"}]
 
 
+def test_json_fields_keep_every_number_exact():
+    """Integers beside floats are float64 while each is exactly a float64; one beyond 2**53 that is not (it was
+    cast, 9007199254740993 became ...992) makes the field JSON text, as an integer beyond int64 does."""
+    import pyarrow as pa
+
+    from pipeline.export import json_columns
+
+    big = 2**53 + 1
+    records = [{"a": 1, "b": big, "c": 2**64, "d": 2**53}, {"a": 0.5, "b": 0.5, "c": 1, "d": 0.5}, {}]
+    out = json_columns(pa.table({"completion": [json.dumps(r) for r in records]}))
+    assert {f.name: str(f.type) for f in out.schema} == {"completion": "string", "a": "double", "b": "string",
+                                                       "c": "string", "d": "double", "json_error": "string"}
+    assert out.column("a").to_pylist() == [1.0, 0.5, None] and out.column("d").to_pylist() == [2**53, 0.5, None]
+    assert out.column("b").to_pylist() == [str(big), "0.5", None]
+    assert out.column("c").to_pylist() == [str(2**64), "1", None]
+
+
 def test_warm_up_traces_the_constrained_step(tmp_path):
     """A structured job's warm-up traces the forward-only step its constrained rows decode with (compiled
     where the machine compiles), so the first row traces nothing."""
