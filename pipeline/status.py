@@ -24,7 +24,8 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
     Returns:
         A dict: ``rows_done`` (committed output rows), ``rows_failed`` (committed with ``error`` set),
         ``rows_pending`` (output rows of the job's input not yet committed; None with ``pending_error``
-        when the input cannot be read), ``completion_tokens``, ``mean_decode_tps`` (mean of the rows'
+        when the input cannot be read), ``rows_not_in_input`` (committed rows the job no longer selects:
+        rows removed from the input, or selected by an earlier ``input.limit``; None likewise), ``completion_tokens``, ``mean_decode_tps`` (mean of the rows'
         decode tok/s), ``generation_s`` (wall seconds the runs that recorded their end spent generating),
         ``throughput_tps`` (the completion tokens of those runs / generation_s), ``runs_unrecorded`` (runs
         that ended without recording it, e.g. killed: their rows are committed, their time is unknown,
@@ -72,6 +73,7 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         "shards": len(manifest["shards"]),
         **_settings(manifest),
         "rows_pending": None,
+        "rows_not_in_input": None,
         "pending_error": None,
         "eta_s": None,
     }
@@ -94,7 +96,9 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         return status
 
     committed = set() if table is None else set(zip(table["id"].to_pylist(), table[key].to_pylist()))
-    status["rows_pending"] = sum((r.id, k) not in committed for r, k, _ in plan_samples(job, rows))
+    planned = {(r.id, k) for r, k, _ in plan_samples(job, rows)}
+    status["rows_pending"] = len(planned - committed)
+    status["rows_not_in_input"] = len(committed - planned)
     status["complete"] = status["rows_pending"] == 0
     if status["rows_pending"] == 0:
         status["eta_s"] = 0.0
@@ -291,9 +295,11 @@ def format_status(st: dict) -> str:
     unrecorded = f" ({untimed} run(s) ended unrecorded, e.g. killed: not counted)" if untimed else ""
     settings = format_settings(st)
     verified = format_verified(st)
+    gone = f"; {st['rows_not_in_input']} no longer in the job's selection of the input" \
+        if st.get("rows_not_in_input") else ""
     return "\n".join([
         f"{st['out_dir']}: {state}, {st['shards']} shard(s), {st['runs']} run(s)",
-        f"rows: {st['rows_done']} done ({st['rows_failed']} failed), {pending} pending",
+        f"rows: {st['rows_done']} done ({st['rows_failed']} failed{gone}), {pending} pending",
         (f"tokens: {st['completion_tokens']} generated; {tput} over {_duration(st['generation_s'])} of generation"
          f"{unrecorded}; mean per-row decode {mean}"),
         f"eta: {_duration(st['eta_s']) if st['eta_s'] is not None else ('0s' if st['rows_pending'] == 0 else 'unknown')}",

@@ -278,6 +278,12 @@ def test_status_reports_progress(tiny, tmp_path):
     run_cli("run", str(job), "--no-progress")
     st = json.loads(run_cli("status", str(out), "--json").stdout)
     assert (st["rows_done"], st["rows_pending"], st["complete"], st["runs"]) == (12, 0, True, 2)
+    assert st["rows_not_in_input"] == 0
+    write_input(data, PROMPTS[:5])  # r5 leaves the input: its 2 rows stay committed
+    st = json.loads(run_cli("status", str(out), "--json").stdout)
+    assert (st["rows_done"], st["rows_pending"], st["rows_not_in_input"], st["complete"]) == (12, 0, 2, True)
+    assert "rows: 12 done (0 failed; 2 no longer in the job's selection of the input), 0 pending" in run_cli(
+        "status", str(out)).stdout
     proc = run_cli("status", str(tmp_path / "nothing"), check=False)
     assert proc.returncode == 2 and "no manifest.json" in proc.stderr
 
