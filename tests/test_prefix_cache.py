@@ -324,3 +324,41 @@ def test_samples_of_one_prompt_share_a_group_prefill_row(model):
     for i in range(4):  # the same tokens; logprobs to rounding (rows of other content share the forward)
         assert got[i].token_ids == ref[i].token_ids, i
         assert got[i].logprobs == pytest.approx(ref[i].logprobs, abs=TOL["full"]), i
+
+
+@pytest.mark.parametrize("window", [16, 40])
+def test_blocks_of_a_ring_that_has_wrapped_are_not_stored(model, window):
+    """The GPU's rule (``exact_prefix`` False) prefills a prompt in ``prefill_step_size`` chunks, then stores its
+    blocks from the caches. A rotating layer whose prompt outran its window had written later positions over
+    the first slots, and those were stored as the prompt's first blocks: a later prompt sharing that head
+    reused them and gave other tokens, with nothing said."""
+    head = ids(11, 32)
+    a, b = head + ids(12, 60), head + ids(13, 10)  # a: 92 tokens, past the window; b shares its first 2 blocks
+    eng = engine(model, exact=False, max_kv_size=window)
+    eng.generate(a, GREEDY)
+    got = eng.generate(b, GREEDY)
+    assert got.cached_prompt_tokens == 0  # nothing of a's head was left in the ring to store
+    ref = engine(model, gb=0, max_kv_size=window).generate(b, GREEDY)
+    assert got.token_ids == ref.token_ids
+    assert max(abs(x - y) for x, y in zip(got.logprobs, ref.logprobs)) < 1e-4
+    # a prompt within the window still stores and reuses its blocks
+    eng.generate(head[:window], GREEDY)
+    assert eng.generate(b, GREEDY).cached_prompt_tokens == min(32, window // B * B)
+
+
+def test_group_prefill_reusing_blocks_past_the_capacity_bucket(model):
+    """A prompt reusing 32 held tokens whose 208-token rest pads to a 256 bucket: its group caches hold 288
+    positions, more than the 256-position slot. Loading them into the slot raised a broadcast error that stopped
+    the whole run; only padding lies past the prompt, and the row runs as without reuse."""
+    greedy = GenerateParams(max_tokens=6, logprobs=2, ignore_eos=True)
+    head = ids(21, 32)
+    a, b = head + ids(22, 8), head + ids(23, 208)
+    eng = Engine(model, [0], 512, prefill_step_size=256, compile=False, exact_prefix=False,
+                 cache_spec=CacheSpec(prefix_cache_gb=1.0, prefix_block_size=B))
+    be = BatchEngine(eng, 2, 256, prefill_batch=True)
+    assert {k.capacity for k in be.kinds} == {256}
+    dict(be.run([Request("a", a, greedy)]))
+    got = dict(be.run([Request("b", b, greedy)]))["b"]
+    assert got.cached_prompt_tokens == 32
+    ref = Engine(model, [0], 512, prefill_step_size=256, compile=False).generate(b, greedy)
+    assert got.token_ids == ref.token_ids

@@ -312,7 +312,9 @@ class BatchEngine:
             real = (mx.arange(size)[None, :] < mx.array(lengths)[:, None])[:, None, :, None]
             for j, src in enumerate((c.keys, c.values)):
                 part = mx.where(real, src[take], mx.zeros((), src.dtype))
-                if kind.capacity > size:
+                if size > kind.capacity:  # reused + the padded rest past the capacity: only padding (a prompt fits)
+                    part = part[:, :, : kind.capacity]
+                elif kind.capacity > size:
                     pad = mx.zeros((len(rows), part.shape[1], kind.capacity - size, part.shape[3]), part.dtype)
                     part = mx.concatenate([part, pad], axis=2)
                 dst = self.buffers[2 * i + j]

@@ -209,9 +209,11 @@ class _CacheBase:
         head_dim)``, or quantized triples), for a ``PrefixStore`` block.
 
         Raises:
-            ValueError: positions not stored, or not in slots ``a:b`` (a ring past ``b > max_size``).
+            ValueError: positions not stored, or not in slots ``a:b`` (a ring past ``b > max_size``, or one that
+                has written position ``a + max_size`` over slot ``a``).
         """
-        if not 0 <= a <= b <= self.offset or (self.max_size is not None and b > self.max_size):
+        if not 0 <= a <= b <= self.offset or (self.max_size is not None and (b > self.max_size
+                                                                              or self.offset > a + self.max_size)):
             raise ValueError(f"positions {a}:{b} are not in slots {a}:{b} (offset {self.offset}, "
                              f"window {self.max_size})")
         copy = lambda x: mx.contiguous(x[..., a:b, :])  # noqa: E731  a copy, not a view of the whole buffer

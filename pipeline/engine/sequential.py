@@ -226,7 +226,10 @@ class Engine:
         if not self.exact_prefix:
             logits = self.prefill(prompt, start)
             full = n // B if self._window is None else min(n, self._window) // B
-            if full * B > start:
+            # a ring of ``_window`` slots that took n positions holds positions n - window .. window - 1 in their
+            # own slots; the earlier ones were written over, so no block from ``start`` can be stored before them
+            lost = 0 if self._window is None else n - self._window
+            if full * B > start >= lost:
                 copies = [c.stored_copy(start, full * B) for c in self.cache]
                 store.put_range(keys[start // B : full], copies, parent=keys[start // B - 1] if start else b"",
                                 ids=ids[start : full * B])
