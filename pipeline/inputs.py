@@ -353,7 +353,49 @@ def _csv_first_row(f: Path) -> str | None:
     return f"{f}: Expected {len(header)} fields in line {line}, saw {len(first)}"
 
 
-def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | None) -> pa.Table:
+def _csv_text_columns(spec: InputSpec) -> set[str]:
+    """The columns a job reads as text: prompt, messages, template, choices, continuation and structured
+    columns, and the columns a filter compares with a string."""
+    names = {spec.prompt_column, spec.messages_column, spec.choices_column, spec.continuation_column,
+             spec.structured_column}
+    if spec.template is not None:
+        names.update(template_columns(spec.template))
+    for f in _filters(spec):
+        if any(isinstance(v, str) for v in ([f.equals] if f.one_of is None else f.one_of)):
+            names.add(f.column)
+    return {n for n in names if n}
+
+
+def _csv_nulls(spec: InputSpec, table: pa.Table) -> pa.Table:
+    """A CSV ``table`` read with only empty cells null, with pandas' other null spellings (``NA``, ``N/A``,
+    ``null``, ``nan``, ...) made null again in every column the job does not read as text
+    (``_csv_text_columns``), and such a column then typed as pandas would have: integers, else floats (all
+    null: floats). So a prompt ``None`` or a country ``NA`` stays text, while a number column with ``NA`` for
+    a missing value reads as numbers and nulls, as before."""
+    from pandas._libs.parsers import STR_NA_VALUES
+
+    text, spellings = _csv_text_columns(spec), pa.array(sorted(STR_NA_VALUES), pa.string())
+    for i, (name, t) in enumerate(zip(table.column_names, table.schema.types)):
+        if name in text or not _is_string(t):
+            continue
+        col = table.column(i).cast(pa.string())
+        missing = pc.fill_null(pc.is_in(col, value_set=spellings), False)
+        if not pc.any(missing).as_py():
+            continue
+        col = pc.if_else(missing, pa.scalar(None, pa.string()), col)
+        for numeric in (pa.int64(), pa.float64()):
+            try:
+                col = pc.cast(col, numeric)
+                break
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                pass
+        if col.null_count == len(col):
+            col = col.cast(pa.float64())
+        table = table.set_column(i, pa.field(name, col.type), col)
+    return table
+
+
+def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | None, pick=None) -> pa.Table:
     import datasets
     import pandas as pd
     from datasets.table import CastError
@@ -368,9 +410,7 @@ def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | 
             if (problem := _csv_first_row(f)) is not None:
                 raise InputError(f"{what}: not readable: {problem}")
         kwargs["index_col"] = False  # never the first column as the index (see _csv_first_row)
-        # only an empty cell is null: pandas' default would also read the text NA, N/A, None, null, nan, ...
-        # (17 spellings) as null, so a prompt "None" failed its row and a filter on "NA" matched nothing
-        kwargs["keep_default_na"], kwargs["na_values"] = False, [""]
+        kwargs["keep_default_na"], kwargs["na_values"] = False, [""]  # _csv_nulls restores the rest per column
     def load(data_files: list[Path], passed: tuple[type, ...] = ()) -> pa.Table | None:
         try:
             ds = datasets.load_dataset(fmt, data_files=[str(f) for f in data_files], split="train", streaming=True,
@@ -390,7 +430,13 @@ def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | 
             except CastError:
                 # datasets takes every file's columns from the first file's: read each on its own and join
                 # them, a column missing from a file null in its rows (an override column, say)
-                table = _concat_files(spec, files, [load([f]) for f in files])
+                tables = [load([f]) for f in files]
+                names = list(dict.fromkeys(n for t in tables if t is not None for n in t.column_names))
+                keys = None if pick is None else pick(names)  # only the job's columns need to unify
+                if keys is not None:
+                    tables = [None if t is None else t.select([c for c in keys if c in t.column_names])
+                              for t in tables]
+                table = _concat_files(spec, files, tables)
     if table is None:
         raise _no_rows(spec)
     return table
@@ -476,9 +522,9 @@ def _read(spec: InputSpec, pick, stop_after: int | None) -> pa.Table:
         fmt = input_format(spec.path, files)
         if fmt == "parquet":
             return _read_parquet(spec, files, pick, stop_after)
-        table, where = _read_files(spec, files, fmt, stop_after), "input"
+        table, where = _read_files(spec, files, fmt, stop_after, pick), "input"
         if fmt == "csv":
-            table = _integral_ids(table, spec)
+            table = _integral_ids(_csv_nulls(spec, table), spec)
     keys = pick(table.column_names)
     if keys is None:
         return table

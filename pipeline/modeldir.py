@@ -25,7 +25,7 @@ class ModelDir:
         config: ``config.json`` (with ``eos_token_id`` replaced by the union of every EOS id declared).
         weights: safetensors tensors by name.
         tokenizer: the tokenizer with chat template and special tokens.
-        token_ids: every BOS and EOS id ``config.json`` and ``generation_config.json`` declare, each with
+        token_ids: the BOS id used and every EOS id ``config.json`` and ``generation_config.json`` declare, each with
             where it is declared (``"DIR/config.json: eos_token_id"``), for ``loader.check_token_ids``.
     """
 
@@ -120,7 +120,9 @@ def read_model_dir(path: str | Path) -> ModelDir:
         extra_eos_ids=_ids(config_file, config, "eos_token_id") + _ids(gen_file, gen_config, "eos_token_id"),
         bos_token_id=bos_ids[0] if bos_ids else None,
     )
-    token_ids = [(f"{file}: {key}", i) for file, cfg in ((config_file, config), (gen_file, gen_config))
-                 for key in ("bos_token_id", "eos_token_id") for i in _ids(file, cfg, key)]
+    bos_file = config_file if "bos_token_id" in config else gen_file  # the BOS id used: config.json's wins
+    token_ids = [(f"{bos_file}: bos_token_id", i) for i in bos_ids[:1]] + [
+        (f"{file}: eos_token_id", i) for file, cfg in ((config_file, config), (gen_file, gen_config))
+        for i in _ids(file, cfg, "eos_token_id")]  # every EOS id stops generation
     config = {**config, "eos_token_id": list(tokenizer.eos_token_ids)}
     return ModelDir(config=config, weights=weights, tokenizer=tokenizer, token_ids=token_ids)

@@ -269,14 +269,22 @@ def test_a_filter_value_past_the_column_type_is_one_line(tmp_path):
 
 
 def test_csv_text_that_pandas_would_read_as_null_stays_text(tmp_path):
+    """In the columns read as text (prompt, template, string filters) only an empty cell is null; pandas'
+    default also read NA, None, N/A, null, ... as null (a prompt "None" failed its row, a filter on "NA" matched
+    nothing). A number column keeps pandas' null spellings: NA there is a missing override, not text that
+    would make the column strings and refuse the job."""
     from pipeline.jobspec import FilterSpec
 
     f = tmp_path / "in.csv"
-    f.write_text("id,prompt,country\n1,hello,NA\n2,None,US\n3,N/A,null\n4,,nan\n", encoding="utf-8")
+    f.write_text("id,prompt,country,max_tokens\n1,hello,NA,3\n2,None,US,NA\n3,N/A,null,\n4,,nan,N/A\n",
+                 encoding="utf-8")
     rows, _ = read_rows(InputSpec(path=str(f), id_column="id"))
-    assert [(r.id, r.prompt) for r in rows] == [(1, "hello"), (2, "None"), (3, "N/A"), (4, None)]
+    assert [(r.id, r.prompt, r.overrides) for r in rows] == [
+        (1, "hello", {"max_tokens": 3}), (2, "None", {}), (3, "N/A", {}), (4, None, {})]
     rows, _ = read_rows(InputSpec(path=str(f), id_column="id", filter=FilterSpec(column="country", equals="NA")))
     assert [r.id for r in rows] == [1]
+    rows, _ = read_rows(InputSpec(path=str(f), id_column="id", template="{{ prompt }} in {{ country }}"))
+    assert [r.prompt for r in rows[:3]] == ["hello in NA", "None in US", "N/A in null"]
 
 
 def test_a_column_only_in_a_later_jsonl_file_is_read(tmp_path):
@@ -287,6 +295,10 @@ def test_a_column_only_in_a_later_jsonl_file_is_read(tmp_path):
     (d / "1.jsonl").write_text('{"id": "a", "prompt": "x"}\n', encoding="utf-8")
     (d / "2.jsonl").write_text('{"id": "b", "prompt": "y", "max_tokens": 1}\n', encoding="utf-8")
     rows, _ = read_rows(InputSpec(path=str(d), id_column="id"))
+    assert [(r.id, r.prompt, r.overrides) for r in rows] == [("a", "x", {}), ("b", "y", {"max_tokens": 1})]
+    (d / "1.jsonl").write_text('{"id": "a", "prompt": "x", "extra": "text"}\n', encoding="utf-8")
+    (d / "2.jsonl").write_text('{"id": "b", "prompt": "y", "max_tokens": 1, "extra": 5}\n', encoding="utf-8")
+    rows, _ = read_rows(InputSpec(path=str(d), id_column="id"))  # a column the job does not read may differ
     assert [(r.id, r.prompt, r.overrides) for r in rows] == [("a", "x", {}), ("b", "y", {"max_tokens": 1})]
     (d / "3.jsonl").write_text('{"id": "c", "prompt": "z", "max_tokens": [1, 2]}\n', encoding="utf-8")
     with pytest.raises(InputError, match=r"3.jsonl does not fit the files before it"):

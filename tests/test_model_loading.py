@@ -480,12 +480,20 @@ def test_malformed_gguf_number_is_one_line_naming_the_key(tmp_path, key, value):
 ])
 def test_special_token_id_outside_the_vocabulary(tmp_path, weights, file, key, value):
     """A model dir with bos_token_id 60000 ran, its warm-up reading past the embedding."""
-    kwargs = {"config": {**CONFIG, key: value}} if file == "config.json" else {"generation_config": {key: value}}
+    kwargs = {"config": {**CONFIG, key: value}} if file == "config.json" else {
+        "config": {k: v for k, v in CONFIG.items() if k != key}, "generation_config": {key: value}}  # used
     d = make_dir(tmp_path / "m", weights, **kwargs)
     with pytest.raises(ConfigError) as e:
         load(d)
     bad = value[-1] if isinstance(value, list) else value
     one_line_error(e, f"{d / file}: {key}: {bad} is outside the vocabulary of {len(VOCAB)} tokens")
+
+
+def test_an_unused_bos_id_in_generation_config_is_not_checked(tmp_path, weights):
+    """config.json's bos_token_id wins, so a stale one in generation_config.json is never used: the model loads."""
+    d = make_dir(tmp_path / "m", weights, config={**CONFIG, "bos_token_id": 1},
+                 generation_config={"bos_token_id": 60000})
+    assert load(d) is not None
 
 
 def test_a_pad_id_outside_the_vocabulary_is_not_checked(tmp_path, weights):

@@ -380,8 +380,9 @@ def test_an_output_dir_under_a_file_is_refused_by_validate_as_by_run(tiny_model,
     ("indir/**/*.parquet", "indir/runs/out", True),
     ("indir/*.parquet", "indir", True),  # its shards would sit where the glob looks
     ("indir/*.parquet", "indir/out", False),  # the glob does not go into subdirectories
+    ("indir/**/*.parquet", "indir/.runs/out", False),  # nor does a wildcard into hidden ones
     ("indir/prompts.parquet", "indir/out", False),
-], ids=["dir-sub", "dir-itself", "recursive-glob", "glob-same-dir", "glob-not-below", "file"])
+], ids=["dir-sub", "dir-itself", "recursive-glob", "glob-same-dir", "glob-not-below", "glob-hidden", "file"])
 def test_an_output_dir_where_the_input_is_read_from_is_refused(tiny_model, prompts, tmp_path, given, out, refused):
     """The first run used to work; the next read its own shards (or manifest.json) as input rows and failed on
     'files mix formats' or duplicate ids."""

@@ -270,10 +270,10 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
     held.enter_context(outdir.RunLock(out_dir, note=echo))  # before ShardStore removes leftovers: one run at a time
     store = ShardStore(out_dir, fp, force=force, redo_corrupt=redo_corrupt)
     inputs = input_state(job)
-    _report_open(store, inputs, echo)
     done = store.committed_keys()
     if not job.input.id_column and done and store.manifest.get("inputs", inputs) != inputs:
-        check_positions(store, rows)
+        check_positions(store, rows)  # before _report_open says the changed input's rows are generated
+    _report_open(store, inputs, echo)
     planned = plan_samples(job, rows)
     if limit is None and job.input.limit is None and job.input.filter is None:  # else rows left out on purpose
         _report_removed(done - {(r.id, k) for r, k, _ in planned}, echo)

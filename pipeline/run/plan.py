@@ -126,15 +126,20 @@ def recorded_job(job: JobSpec) -> dict:
 
 def _glob_matches(pattern: str, path: str) -> bool:
     """Whether ``glob.glob(pattern, recursive=True)`` would list ``path`` were it a file: ``**`` as a whole
-    component matches any number of directories, other components as ``fnmatch`` (both made absolute)."""
+    component matches any number of directories, other components as ``fnmatch`` (both made absolute); as in
+    glob, a wildcard never matches a name that starts with a dot unless the pattern's component does."""
     pat, parts = Path(os.path.abspath(pattern)).parts, Path(os.path.abspath(path)).parts
+
+    def component(name: str, p: str) -> bool:
+        return fnmatch.fnmatchcase(name, p) and (not name.startswith(".") or p.startswith("."))
 
     def match(i: int, j: int) -> bool:
         if i == len(pat):
             return j == len(parts)
         if pat[i] == "**":
-            return any(match(i + 1, k) for k in range(j, len(parts) + 1))
-        return j < len(parts) and fnmatch.fnmatchcase(parts[j], pat[i]) and match(i + 1, j + 1)
+            return any(match(i + 1, k) for k in range(j, len(parts) + 1)
+                       if not any(n.startswith(".") for n in parts[j:k]))
+        return j < len(parts) and component(parts[j], pat[i]) and match(i + 1, j + 1)
 
     return match(0, 0)
 
