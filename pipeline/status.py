@@ -274,9 +274,10 @@ def fingerprint_summary(fp: dict) -> str:
 
 
 def _duration(s: float | None) -> str:
+    """``12m05s`` or ``1h02m05s`` (rounded; a positive time under half a second is ``0m01s``, not nothing left)."""
     if s is None:
         return "unknown"
-    s = int(round(s))
+    s = max(int(round(s)), 1 if s > 0 else 0)
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 

@@ -161,3 +161,11 @@ def test_completeness_is_unknown_when_the_input_cannot_be_read(tiny, tmp_path):
     assert format_status(st).splitlines()[0] == f"{out}: completeness unknown, 1 shard(s), 1 run(s)"
     page = write_report(out).read_text()
     assert f"<code>{out}</code>: completeness unknown;" in page and "complete;" not in page
+
+
+def test_a_short_eta_with_rows_pending_is_not_shown_as_nothing_left():
+    """An ETA under half a second rounded to 0m00s, read as 'done' while rows were pending."""
+    from pipeline.status import _duration
+
+    assert (_duration(0.2), _duration(0.0), _duration(65.4), _duration(3700.0), _duration(None)) == (
+        "0m01s", "0m00s", "1m05s", "1h01m40s", "unknown")
