@@ -154,7 +154,7 @@ def _with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     return ids
 
 
-def _row_messages(row: InputRow, spec: InputSpec) -> tuple[str | None, list[dict] | None]:
+def row_messages(row: InputRow, spec: InputSpec) -> tuple[str | None, list[dict] | None]:
     """``(text for the prompt column, messages)``: messages None for a raw prompt (no chat template).
 
     Raises:
@@ -205,7 +205,7 @@ def build_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer) -> Prompt
             content, a role other than system, user, assistant, tool or developer), a template that rejects
             them or that cuts up special-token text of the messages.
     """
-    text, messages = _row_messages(row, spec)
+    text, messages = row_messages(row, spec)
     if messages is None:
         return Prompt(text, _with_bos(tokenizer, tokenizer.encode(text, parse_special=spec.parse_special_tokens)))
     if spec.parse_special_tokens:
@@ -264,7 +264,7 @@ def build_score_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer, con
     Raises:
         RowError: as ``build_prompt``.
     """
-    text, messages = _row_messages(row, spec)
+    text, messages = row_messages(row, spec)
     bos = lambda ids: _with_bos(tokenizer, ids)  # noqa: E731
     if messages is None:
         context = text

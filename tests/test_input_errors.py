@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from pipeline.inputs import InputError, read_rows
-from pipeline.prompts import _row_messages
+from pipeline.prompts import row_messages
 from pipeline.errors import RowError
 
 from test_input_selection import spec, write_jsonl
@@ -91,11 +91,11 @@ def test_jsonl_message_with_a_non_string_content_fails_its_row(tmp_path):
     s = spec(path=str(f), id_column="id", prompt_column=None, messages_column="messages")
     rows, _ = read_rows(s)
     assert all(r.error is None for r in rows)
-    assert _row_messages(rows[0], s) == ("x", [{"role": "user", "content": "x"}])
+    assert row_messages(rows[0], s) == ("x", [{"role": "user", "content": "x"}])
     for row, message in [(rows[1], "messages[0] needs string 'role' and 'content'; 'content' is an integer (5)"),
                          (rows[2], "messages[0] needs string 'role' and 'content'")]:
         with pytest.raises(RowError) as ei:
-            _row_messages(row, s)
+            row_messages(row, s)
         assert str(ei.value) == f"input column 'messages': {message}"
 
 

@@ -18,10 +18,12 @@ from tqdm import tqdm
 
 from .. import _blas, outdir, shards
 from ..describe import parameter_count
+from ..errors import RowError
 from ..inputs import InputError, InputRow, read_rows
-from ..jobspec import JobSpec
+from ..jobspec import InputSpec, JobSpec
 from ..loader import LoadedModel, model_identity
 from ..models.base import weight_format
+from ..prompts import row_messages
 from ..resolve import resolve_model
 from ..results import Result, result_schema, results_table
 from ..shards import DiskFullError, OutputError, ShardStore, read_manifest
@@ -272,7 +274,7 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
     inputs = input_state(job)
     done = store.committed_keys()
     if not job.input.id_column and done and store.manifest.get("inputs", inputs) != inputs:
-        check_positions(store, rows)  # before _report_open says the changed input's rows are generated
+        check_positions(store, rows, job.input)  # before _report_open says the changed input's rows are generated
     _report_open(store, inputs, echo)
     planned = plan_samples(job, rows)
     if limit is None and job.input.limit is None and job.input.filter is None:  # else rows left out on purpose
@@ -533,28 +535,27 @@ def _report_open(store: ShardStore, inputs: list[dict], echo) -> None:
         echo("the input files changed since the last run: rows added are generated, committed rows are kept")
 
 
-def user_text(row: InputRow) -> str | None:
-    """The text a row's output ``prompt`` column records (``prompts.prompt_messages``): its last user turn, or
-    its prompt; None where it has neither (a failed row's)."""
-    if isinstance(row.messages, list):
-        users = [m.get("content") for m in row.messages if isinstance(m, dict) and m.get("role") == "user"]
-        return users[-1] if users and isinstance(users[-1], str) else None
-    return row.prompt
-
-
-def check_positions(store: ShardStore, rows: list[InputRow]) -> None:
+def check_positions(store: ShardStore, rows: list[InputRow], spec: InputSpec) -> None:
     """Without ``input.id_column`` a row's id is its position in the input: after the input files changed, each
     committed row still at its position must have been made from the text that is there now (rows appended
     keep the positions of the others; a row inserted, removed or moved does not).
 
     Raises:
-        InputError: the first committed row whose recorded prompt differs from the input's row at its position.
+        InputError: the first committed row whose recorded prompt differs from the input's row at its position
+            (the text ``prompts.row_messages`` gives it, which the output's ``prompt`` column records).
     """
+
+    def text(row: InputRow) -> str | None:
+        try:
+            return row_messages(row, spec)[0]
+        except RowError:  # a row that fails on its prompt records none
+            return None
+
     at = {r.id: r for r in rows}
     table = store.committed_table(["id", "prompt"])
     for i, recorded in zip(table.column("id").to_pylist(), table.column("prompt").to_pylist()):
         row = at.get(i)
-        now = None if row is None else user_text(row)
+        now = None if row is None else text(row)
         if recorded is not None and now is not None and now != recorded:
             raise InputError(
                 f"input.id_column is not set, so rows are keyed by their position, and the input changed since "
