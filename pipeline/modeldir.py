@@ -113,16 +113,13 @@ def read_model_dir(path: str | Path) -> ModelDir:
         except Exception as e:  # mx.load raises RuntimeError/ValueError with the reason
             raise ModelDirError(f"{f}: cannot read safetensors ({e})") from None
     config_file, gen_file = path / "config.json", path / "generation_config.json"
-    gen_bos = _ids(gen_file, gen_config, "bos_token_id")
-    bos_ids = _ids(config_file, config, "bos_token_id") if "bos_token_id" in config else gen_bos
-    tokenizer = Tokenizer.from_model_dir(
-        path,
-        extra_eos_ids=_ids(config_file, config, "eos_token_id") + _ids(gen_file, gen_config, "eos_token_id"),
-        bos_token_id=bos_ids[0] if bos_ids else None,
-    )
+    declared = {f: {key: _ids(f, cfg, key) for key in ("bos_token_id", "eos_token_id")}
+                for f, cfg in ((config_file, config), (gen_file, gen_config))}  # each checked, used or not
     bos_file = config_file if "bos_token_id" in config else gen_file  # the BOS id used: config.json's wins
-    token_ids = [(f"{bos_file}: bos_token_id", i) for i in bos_ids[:1]] + [
-        (f"{file}: eos_token_id", i) for file, cfg in ((config_file, config), (gen_file, gen_config))
-        for i in _ids(file, cfg, "eos_token_id")]  # every EOS id stops generation
+    bos_ids = declared[bos_file]["bos_token_id"][:1]
+    eos = [(f, i) for f in (config_file, gen_file) for i in declared[f]["eos_token_id"]]  # every one stops generation
+    tokenizer = Tokenizer.from_model_dir(path, extra_eos_ids=[i for _, i in eos],
+                                         bos_token_id=bos_ids[0] if bos_ids else None)
+    token_ids = [(f"{bos_file}: bos_token_id", i) for i in bos_ids] + [(f"{f}: eos_token_id", i) for f, i in eos]
     config = {**config, "eos_token_id": list(tokenizer.eos_token_ids)}
     return ModelDir(config=config, weights=weights, tokenizer=tokenizer, token_ids=token_ids)
