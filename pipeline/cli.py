@@ -8,7 +8,8 @@ other files or another job's results, in use by another run or not writable; fix
 remedy and ``validate`` finds the same problems. Every other failure exits 1: downloading or hashing the model, a
 model that cannot be loaded (corrupt file, unknown architecture), job settings only the loaded model can refute
 (``cache.kv_group_size`` not dividing its head_dim, ``input.apply_chat_template`` without a chat template),
-no space left in the output dir (``DiskFullError``), and a row whose generation raised what is not a row's own
+a write into the output dir failing mid-run (``OutputWriteError``: no space left, a read-only remount, the
+directory removed), and a row whose generation raised what is not a row's own
 problem (``GenerationError``: an error from MLX, a bug in a model; one line naming the row and the exception);
 for these two ``run`` prints its summary line first, and the rows committed stay. Failed rows are not errors:
 ``run`` exits 3 (``--failed-exit-code``) when the output holds rows whose ``error`` is set.
@@ -32,11 +33,11 @@ from .jobspec import JobSpecError, load_job
 from .loader import WeightsError
 from .models.base import ConfigError
 from .resolve import ModelResolveError, check_model_spec
-from .shards import DiskFullError, OutputError
+from .shards import OutputError, OutputWriteError
 from .tokenizer import TokenizerError
 
 USER_ERRORS = (CacheConfigError, JobSpecError, InputError, OutputError, ModelResolveError, GGUFError, ModelDirError, TokenizerError,
-               ConfigError, ChatTemplateError, WeightsError, DistributedError, DiskFullError)
+               ConfigError, ChatTemplateError, WeightsError, DistributedError, OutputWriteError)
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
@@ -138,7 +139,7 @@ def run(job_file, output_dir, limit, force, no_progress, retry_failed, redo_corr
         _check_model_spec(job.model)
         summary = run_job(job, output_dir=output_dir, limit=limit, force=force, retry_failed=retry_failed,
                           redo_corrupt=redo_corrupt, progress=not no_progress, echo=click.echo)
-    except (DiskFullError, GenerationError) as e:  # exit 1, after the summary line of the run it stopped
+    except (OutputWriteError, GenerationError) as e:  # exit 1, after the summary line of the run it stopped
         if e.summary is not None:
             click.echo(e.summary.line())
         _fail(e)
@@ -169,7 +170,7 @@ def validate_job(job_file: str) -> tuple[list[Exception], str]:
 
     Raises:
         ModelResolveError, ...: resolving the model for the output-dir comparison failed (not a job problem).
-        DiskFullError: the output dir has no space for a test file.
+        DiskFullError: the output dir has no space for a test file (an ``OutputWriteError``).
     """
     from .run.plan import check_output_dir, plan_samples
 

@@ -63,19 +63,25 @@ class OutputError(RuntimeError):
     """The output directory cannot be used (foreign contents, different job, unreadable manifest)."""
 
 
-class DiskFullError(RuntimeError):
-    """A write into the output directory found no space (ENOSPC) or no quota (EDQUOT) left: not a problem
-    with the job (the CLI exits 1). The file being written was not replaced and its temporary file is gone;
-    the committed shards stay valid: free space and run again to resume.
+class OutputWriteError(RuntimeError):
+    """A write into the output directory failed for a reason of the file system, not of the job: it became
+    read-only, lost its permissions, was removed, or gave an I/O error (the CLI exits 1). The file being written
+    was not replaced and its temporary file is gone (where the file system still allows removing it); the
+    committed shards stay valid: make the output dir writable and run again to resume.
 
     Attributes:
         out_dir: the output directory.
         file: the file being written (``part-00003.parquet``, ``manifest.json``, ...).
-        reason: ``no space left on device`` or ``disk quota exceeded``.
+        reason: the ``OSError``'s ``strerror``, lower-cased: ``read-only file system``, ``no such file or
+            directory``, ``input/output error``, ...
         committed: rows committed in ``out_dir`` when the run stopped (``run.control.run_job`` sets it), else None.
         note: a further line, e.g. that the run record could not be saved either; else None.
         summary: the ``run.control.RunSummary`` of the run it stopped (``run_job``), else None.
+        fix: what to do before running again, for the stop line: ``make the output dir writable``.
     """
+
+    fix = "make the output dir writable"
+    resume = "resume once it is writable"
 
     def __init__(self, out_dir: str | Path, file: str, reason: str, committed: int | None = None,
                  note: str | None = None):
@@ -86,8 +92,23 @@ class DiskFullError(RuntimeError):
     def __str__(self) -> str:
         text = f"output.dir {self.out_dir!r}: {self.reason} while writing {self.file}"
         if self.committed is not None:
-            text += f"; {self.committed} row{'s' * (self.committed != 1)} committed, resume after freeing space"
+            text += f"; {self.committed} row{'s' * (self.committed != 1)} committed, {self.resume}"
         return text + (f"\n{self.note}" if self.note else "")
+
+    def again(self, committed: int | None, note: str | None = None) -> OutputWriteError:
+        """The same error (same class) with ``committed`` and ``note`` set."""
+        return type(self)(self.out_dir, self.file, self.reason, committed=committed, note=note)
+
+
+class DiskFullError(OutputWriteError):
+    """A write into the output directory found no space (ENOSPC) or no quota (EDQUOT) left: not a problem
+    with the job (the CLI exits 1). The file being written was not replaced and its temporary file is gone;
+    the committed shards stay valid: free space and run again to resume. Attributes as ``OutputWriteError``'s;
+    ``reason`` is ``no space left on device`` or ``disk quota exceeded``.
+    """
+
+    fix = "free space"
+    resume = "resume after freeing space"
 
 
 def disk_full(e: BaseException, out_dir: str | Path, file: str) -> DiskFullError | None:
@@ -96,6 +117,17 @@ def disk_full(e: BaseException, out_dir: str | Path, file: str) -> DiskFullError
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskFullError(out_dir, file, os.strerror(e.errno).lower())
     return None
+
+
+def write_error(e: BaseException, out_dir: str | Path, file: str) -> OutputWriteError | None:
+    """``e`` (raised writing ``file`` in ``out_dir``) as an ``OutputWriteError``: a ``DiskFullError`` for ENOSPC
+    or EDQUOT, an ``OutputWriteError`` for any other ``OSError`` (EROFS, EACCES, ENOENT, EIO, ...); else None."""
+    if not isinstance(e, OSError):
+        return None
+    if (full := disk_full(e, out_dir, file)) is not None:
+        return full
+    reason = os.strerror(e.errno) if e.errno else (e.strerror or str(e) or type(e).__name__)
+    return OutputWriteError(out_dir, file, reason.lower())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -113,6 +145,8 @@ def atomic_write(path: Path, write) -> None:
     Raises:
         DiskFullError: no space or quota left before the rename; ``path`` is as it was, the temporary file
             removed.
+        OutputWriteError: any other ``OSError`` (a read-only remount, the directory removed, an I/O error),
+            before the rename (as above) or at the directory's fsync after it.
     """
     tmp = None
     try:
@@ -127,10 +161,13 @@ def atomic_write(path: Path, write) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):  # the write's error is the one to report, not the cleanup's
                 Path(tmp).unlink(missing_ok=True)
-        if (full := disk_full(e, path.parent, path.name)) is not None:
-            raise full from None  # one error, not the write's and then the close's
+        if (err := write_error(e, path.parent, path.name)) is not None:
+            raise err from None  # one error, not the write's and then the close's
         raise
-    _fsync_dir(path.parent)
+    try:
+        _fsync_dir(path.parent)
+    except OSError as e:
+        raise write_error(e, path.parent, path.name) from None
 
 
 def diff_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -565,7 +602,8 @@ class ShardStore:
         ``complete`` (every row of its selection committed) into the manifest, then write the manifest.
 
         Raises:
-            DiskFullError: the manifest did not fit (the committed shards are as before).
+            OutputWriteError: the manifest could not be written (``DiskFullError``: it did not fit); the committed
+                shards are as before.
         """
         self._record.update(fields)
         self.manifest["complete"] = complete
@@ -690,8 +728,9 @@ class ShardStore:
         self.manifest["next_shard"] += 1
         try:
             self.commit_written(entry, replaces)
-        except DiskFullError:
-            (self.dir / entry["file"]).unlink(missing_ok=True)  # not committed: give its space back
+        except OutputWriteError:
+            with contextlib.suppress(OSError):  # a read-only remount: the write's error is the one to report
+                (self.dir / entry["file"]).unlink(missing_ok=True)  # not committed: give its space back
             raise
         self._failed[entry["file"]] = _key_lists(table)[1]
         return entry["file"]
@@ -704,12 +743,13 @@ class ShardStore:
         planned = units.pop(entry["file"], None)
         try:
             self.commit_entries([entry], rewritten)
-        except DiskFullError:
+        except OutputWriteError:
             if planned is not None:
                 units[entry["file"]] = planned  # not committed: still adoptable on the next open
             for new in rewritten.values():
                 if new is not None:
-                    (self.dir / new["file"]).unlink(missing_ok=True)
+                    with contextlib.suppress(OSError):
+                        (self.dir / new["file"]).unlink(missing_ok=True)
             raise
 
     def plan_units(self, units: list[list[tuple]], unit_rows: int) -> list[str]:
@@ -752,7 +792,8 @@ class ShardStore:
         commit and the change is appended to ``forced``.
 
         Raises:
-            DiskFullError: the manifest did not fit; nothing is committed and ``manifest`` is left as on disk.
+            OutputWriteError: the manifest could not be written (``DiskFullError``: it did not fit); nothing is
+                committed and ``manifest`` is left as on disk.
         """
         rewritten = rewritten or {}
         before = {k: self.manifest[k] for k in ("shards", "rows", "next_shard", "fingerprint") if k in self.manifest}
@@ -780,7 +821,7 @@ class ShardStore:
         self.manifest["next_shard"] = max([self.manifest.get("next_shard", 0), *(u + 1 for u in used)])
         try:
             self._write_manifest()
-        except DiskFullError:
+        except OutputWriteError:
             self.manifest.update(before)
             if forced is None:
                 self.manifest.pop("forced", None)
@@ -788,7 +829,8 @@ class ShardStore:
                 del self.manifest["forced"][forced:]
             raise
         for old in rewritten:
-            (self.dir / old).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # committed without it: a file left is removed on the next open
+                (self.dir / old).unlink(missing_ok=True)
 
     def save(self) -> None:
         """Rewrite the manifest (after changing informational fields such as ``info`` or ``runs``)."""

@@ -2,8 +2,9 @@
 (a second `pipeline run` on a dir in use is refused, touching nothing, while status, export and report
 still read it; a lock left by a killed run is taken over; the Ray driver holds it too), a full disk (a
 real 1 MiB tmpfs filled up: exit 1, the summary line, the run record finished, committed shards intact,
-and a resume after freeing space completes every row once), and a read-only output dir (a real read-only
-mount: `run` and `validate` refuse it before the model loads)."""
+and a resume after freeing space completes every row once), a read-only output dir (a real read-only
+mount: `run` and `validate` refuse it before the model loads; a remount between commits is one error), and
+an output dir removed mid-run (one error line, exit 1, and the rerun starts over)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from conftest import ROOT
 from tiny_model import without_machine_warnings, wait_until, write_prompts
 
 from pipeline import outdir
-from pipeline.shards import DiskFullError, OutputError, ShardStore
+from pipeline.shards import DiskFullError, OutputError, OutputWriteError, ShardStore
 
 ROWS = 24
 HOST = socket.gethostname()
@@ -447,3 +448,56 @@ def test_a_manifest_that_does_not_fit_commits_nothing(tmpfs):
     assert (out / "manifest.json").read_bytes() == on_disk
     assert json.loads(on_disk)["shards"] == store.manifest["shards"] and store.manifest["rows"] == 200
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "part-00000.parquet"]
+
+
+def test_a_read_only_remount_between_commits_raises_an_output_write_error(tmpfs):
+    """The file system turns read-only between two commits (a real remount): the next commit is one
+    ``OutputWriteError`` naming the file, nothing is committed, and once writable again the same store
+    commits."""
+    mnt = tmpfs("size=1m")
+    out = mnt / "out"
+    table = pa.table({"id": ["a", "b"], "sample_index": [0, 0], "error": pa.array([None, None], pa.string())})
+    store = ShardStore(out, {"generation": {"max_tokens": 2}})
+    store.add_run({})
+    store.commit(table)
+    before = snapshot(out)
+    subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+    with pytest.raises(OutputWriteError) as e:
+        store.commit(table.slice(0, 1))
+    assert not isinstance(e.value, DiskFullError) and e.value.fix == "make the output dir writable"
+    assert str(e.value) == f"output.dir '{out}': read-only file system while writing part-00001.parquet"
+    assert snapshot(out) == before and store.manifest["rows"] == 2 and len(store.manifest["shards"]) == 1
+    subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+    assert store.commit(table.slice(0, 1)) == "part-00001.parquet"  # nothing of the failed write is left
+    assert json.loads((out / "manifest.json").read_text())["rows"] == 3
+
+
+def test_an_output_dir_removed_mid_run_stops_the_run_with_one_line(tiny_model, prompts, tmp_path, reference):
+    """``rm -rf`` of the output dir while a run writes it (the run held still by SIGSTOP after its first
+    shard): the next write fails, the run stops with exit 1, one error line naming the file and the summary
+    line, no traceback; the same command then starts over and makes every row as an uninterrupted run."""
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.yaml", tiny_model, prompts, out, **BIG_SHARDS)
+    proc = start("run", job, "--no-progress")
+    wait_until(lambda: (out / "part-00000.parquet").exists(), proc, what="the first shard")
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        shutil.rmtree(out)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 1, stderr[-3000:]
+    lines = without_machine_warnings(stderr)
+    m = re.fullmatch(rf"error: output\.dir '{re.escape(str(out))}': no such file or directory while writing "
+                     r"(part-\d{5}\.parquet|manifest\.json); 0 rows committed, resume once it is writable", lines[0])
+    assert m, stderr
+    assert lines[1:] == ["error: the run record could not be saved (no such file or directory while writing "
+                         "manifest.json): manifest.json holds the last commit, without this run's end"], stderr
+    assert stdout.splitlines()[-1] == (f"stopped (no such file or directory while writing {m.group(1)}): "
+                                       f"0/{ROWS} rows committed in {out}; make the output dir writable, then run "
+                                       "the same command again to resume")
+    assert not out.exists()
+    again = pipeline("run", job, "--no-progress")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert committed(out) == reference
+    assert_clean(out)

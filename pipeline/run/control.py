@@ -26,7 +26,7 @@ from ..models.base import weight_format
 from ..prompts import row_messages
 from ..resolve import resolve_model
 from ..results import Result, result_schema, results_table
-from ..shards import DiskFullError, OutputError, ShardStore, read_manifest
+from ..shards import OutputError, OutputWriteError, ShardStore, read_manifest
 from .cluster import import_ray, open_cluster
 from .local import GenerationError, generate_samples, load_job_model
 from .plan import check_output_apart, fingerprint, input_state, plan_samples, recorded_job
@@ -62,12 +62,13 @@ class RunSummary:
         closures: compiled decode closures the engine built (bounded by the distinct graph shapes); on Ray,
             the sum over the actors (each builds its own).
         interrupted: None, "SIGINT" or "SIGTERM".
-        stopped: why the run stopped before its end: a write into the output dir found no space (``no space left
-            on device while writing part-00003.parquet``: ``shards.DiskFullError``), or generating a row raised
+        stopped: why the run stopped before its end: a write into the output dir failed (``no space left on
+            device while writing part-00003.parquet``: ``shards.DiskFullError``; ``read-only file system while
+            writing manifest.json``: ``shards.OutputWriteError``), or generating a row raised
             what is not a ``RowError`` (``row 'a7' (sample 0) raised ValueError: ...``: ``local.GenerationError``);
             else None.
-        stopped_fix: what to do before running the same command again after ``stopped``: "free space" or
-            "fix the error".
+        stopped_fix: what to do before running the same command again after ``stopped``: "free space", "make
+            the output dir writable" (``OutputWriteError.fix``) or "fix the error".
         aborted: a second signal stopped the run at once; finished rows not yet committed were dropped.
         workers: ``executor: ray``: per Ray actor (``host:pid``), the units, rows, completion tokens and
             seconds of the units it ran and its warm-up seconds (``warmup_s``); empty in local mode.
@@ -234,11 +235,12 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
             is recorded).
         OutputError: also, before the model is resolved: another run holds the output dir's lock
             (``outdir.RunLock``), or the output dir is not writable (``outdir.check_writable``).
-        DiskFullError: a write into the output dir found no space or quota left: the rows committed stay, the
-            run record says why (best effort), ``committed`` counts the rows committed and ``summary`` is set
-            once the run was recorded.
+        OutputWriteError: a write into the output dir failed (``DiskFullError``: no space or quota left; else a
+            read-only remount, the directory removed, an I/O error): the rows committed stay, the run record
+            says why (best effort), ``committed`` counts the rows committed and ``summary`` is set once the run
+            was recorded.
         GenerationError: generating a row raised what is not a ``RowError`` (an error from MLX, a bug in a
-            model): the run stops as for ``DiskFullError`` (the rows finished before it are committed first,
+            model): the run stops as for ``OutputWriteError`` (the rows finished before it are committed first,
             best effort), the run record has the reason and the traceback (``stopped``, ``traceback``).
     """
     # held: the output dir's lock, released last (after the Ray cluster is closed and no actor writes any more)
@@ -247,10 +249,10 @@ def run_job(job: JobSpec, *, output_dir: str | None = None, limit: int | None = 
             return _run_job(job, cleanup, held, output_dir=output_dir, limit=limit, force=force,
                             retry_failed=retry_failed, redo_corrupt=redo_corrupt, progress=progress, echo=echo,
                             on_result=on_result)
-        except DiskFullError as e:
+        except OutputWriteError as e:
             if e.committed is not None:  # from _finish: the run record says so
                 raise
-            raise DiskFullError(e.out_dir, e.file, e.reason, committed=_rows_committed(e.out_dir)) from None
+            raise e.again(_rows_committed(e.out_dir)) from None
 
 
 def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitStack, *, output_dir, limit, force,
@@ -291,14 +293,14 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
     store.add_run(run_record, inputs=inputs, info={"python": sys.version.split()[0], "job": recorded_job(job)})
     try:
         store.save()
-    except DiskFullError as e:
+    except OutputWriteError as e:
         return _finish(summary, store, e)
     if not pending:
         if changed := shards.diff_fields(store.manifest["fingerprint"], fp):  # --force, nothing to generate
             echo(f"--force: no row to generate, so the committed rows keep their recorded settings "
                  f"(changed: {', '.join(changed)})")
         return _finish(summary, store)
-    stopped = None  # the DiskFullError or GenerationError that stopped the run
+    stopped = None  # the OutputWriteError or GenerationError that stopped the run
     if job.executor == "ray":
         with _Signals(lambda m: tqdm.write(m, file=sys.stderr), "units") as signals:
             try:
@@ -307,7 +309,7 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
                           echo=echo)
             except Aborted as e:
                 summary.interrupted, summary.aborted = str(e), True
-            except (DiskFullError, GenerationError) as e:  # a unit's shard, the manifest, a row: units committed stay
+            except (OutputWriteError, GenerationError) as e:  # a unit's shard, the manifest, a row: units committed stay
                 stopped = e
         return _finish(summary, store, stopped)
 
@@ -383,13 +385,13 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
                 try:
                     flush()
                 except Exception as e:  # a commit failing after a stop keeps the stop as its cause
-                    if stopped is None or isinstance(e, DiskFullError):
+                    if stopped is None or isinstance(e, OutputWriteError):
                         raise
                     raise e from stopped
                 summary.interrupted = signals.first
             except Aborted as e:
                 summary.interrupted, summary.aborted = signals.first or str(e), True
-            except DiskFullError as e:  # a shard or the manifest did not fit: the rows not committed are redone
+            except OutputWriteError as e:  # a shard or the manifest was not written: the rows not committed are redone
                 stopped = stopped or e
     finally:
         if refresher is not None:
@@ -449,16 +451,16 @@ def _now() -> str:
 
 
 def _finish(summary: RunSummary, store: ShardStore,
-            stopped: DiskFullError | GenerationError | None = None) -> RunSummary:
+            stopped: OutputWriteError | GenerationError | None = None) -> RunSummary:
     """Finish the run record and save the manifest (``ShardStore.finish_run``); returns ``summary``.
 
     Args:
-        stopped: the write that found no space, or the row that raised, and stopped the run: the run record
+        stopped: the write that failed, or the row that raised, and stopped the run: the run record
             says so (``stopped``; a row's error also its ``traceback``), best effort (the manifest may not fit
             either), and the error is raised again.
 
     Raises:
-        DiskFullError: ``stopped`` (or the manifest write here found no space), with the rows committed, the
+        OutputWriteError: ``stopped`` (or the manifest write here failed), with the rows committed, the
             summary, and a ``note`` when the run record could not be saved.
         GenerationError: ``stopped``, with the same.
     """
@@ -468,8 +470,8 @@ def _finish(summary: RunSummary, store: ShardStore,
     if stopped is not None:
         summary.stopped = _stop_reason(stopped)
         end["stopped"] = summary.stopped
+        summary.stopped_fix = "fix the error" if isinstance(stopped, GenerationError) else stopped.fix
         if isinstance(stopped, GenerationError):
-            summary.stopped_fix = "fix the error"
             end["traceback"] = stopped.trace
     end.update(finished=_now(), rows_written=summary.rows_written, rows_failed=summary.rows_failed,
                completion_tokens=summary.completion_tokens, prompt_tokens=summary.prompt_tokens,
@@ -481,9 +483,9 @@ def _finish(summary: RunSummary, store: ShardStore,
     note = None
     try:
         store.finish_run(summary.complete, **end)
-    except DiskFullError as e:
+    except OutputWriteError as e:
         if stopped is None:
-            stopped, summary.stopped = e, _stop_reason(e)
+            stopped, summary.stopped, summary.stopped_fix = e, _stop_reason(e), e.fix
         note = (f"the run record could not be saved ({e.reason} while writing {e.file}): manifest.json holds "
                 "the last commit, without this run's end")
     if stopped is None:
@@ -492,12 +494,12 @@ def _finish(summary: RunSummary, store: ShardStore,
     if isinstance(stopped, GenerationError):
         error = GenerationError(stopped.rows, stopped.error, stopped.trace, committed=committed, note=note)
     else:
-        error = DiskFullError(stopped.out_dir, stopped.file, stopped.reason, committed=committed, note=note)
+        error = stopped.again(committed, note)
     error.summary = summary
     raise error from None
 
 
-def _stop_reason(e: DiskFullError | GenerationError) -> str:
+def _stop_reason(e: OutputWriteError | GenerationError) -> str:
     """``no space left on device while writing part-00003.parquet``, or ``row 'a7' (sample 0) raised ...``."""
     return e.reason if isinstance(e, GenerationError) else f"{e.reason} while writing {e.file}"
 

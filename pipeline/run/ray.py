@@ -53,7 +53,7 @@ from ..engine.batch import check_kv_memory
 from ..jobspec import JobSpec, job_from_dict
 from ..resolve import resolve_model
 from ..results import result_schema, results_table
-from ..shards import ShardStore, disk_full, write_shard
+from ..shards import ShardStore, write_error, write_shard
 from .cluster import Cluster, DistributedError, actor_env, unit_rows
 from .local import auto_batch_size, batch_capacity, generate_samples, load_job_model
 
@@ -145,7 +145,7 @@ class _UnitWorker:
             with open(attempts, "a") as f:
                 f.write(".")
         except OSError as e:
-            raise disk_full(e, self.out_dir, attempts.name) or e  # a DiskFullError pickles back to the driver
+            raise write_error(e, self.out_dir, attempts.name) or e  # an OutputWriteError pickles back to the driver
         if attempts.stat().st_size > UNIT_RETRIES + 1:
             raise DistributedError(f"unit {unit}: its actor died {UNIT_RETRIES + 1} times running it; see the "
                                    "actors' logs (ray logs, or the Ray dashboard)")
