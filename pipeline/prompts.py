@@ -154,8 +154,12 @@ def _with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     return ids
 
 
-def row_messages(row: InputRow, spec: InputSpec) -> tuple[str | None, list[dict] | None]:
+def row_messages(row: InputRow, spec: InputSpec, empty_prompt: bool = False) -> tuple[str | None, list[dict] | None]:
     """``(text for the prompt column, messages)``: messages None for a raw prompt (no chat template).
+
+    Args:
+        empty_prompt: an empty (not null) prompt is a prompt (``task: score``: an empty context is scored
+            after the prefix token, ``encode_pair``); else it fails the row.
 
     Raises:
         RowError: as ``build_prompt``.
@@ -170,7 +174,7 @@ def row_messages(row: InputRow, spec: InputSpec) -> tuple[str | None, list[dict]
         users = [m["content"] for m in messages if m["role"] == "user"]
         text = users[-1] if users else None
     else:
-        if row.prompt is None or row.prompt == "":
+        if row.prompt is None or (row.prompt == "" and not empty_prompt):
             state = "is null" if row.prompt is None else "is empty"
             if spec.template is not None:
                 raise RowError(f"input.template's prompt {state}")
@@ -215,15 +219,20 @@ def build_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer) -> Prompt
     return Prompt(text, _with_bos(tokenizer, ids))
 
 
-def encode_pair(encode, context: str, continuation: str) -> tuple[list[int], list[int]]:
+def encode_pair(encode, context: str, continuation: str,
+                prefix_token_id: int | None = None) -> tuple[list[int], list[int]]:
     """Context and continuation ids by lm-evaluation-harness's rule (``TemplateLM._encode_pair`` in
     ``lm_eval/api/model.py``): trailing whitespace of ``context`` moves to the start of ``continuation``;
     ``context + continuation`` is encoded whole and split at the length of the encoded context, so a token
-    spanning the boundary counts as continuation.
+    spanning the boundary counts as continuation. A context that encodes to no tokens (``""`` for a model
+    that adds no BOS, as lm-eval's ``acc_mutual_info`` sends) becomes ``[prefix_token_id]`` and the whole
+    text is continuation, as ``TemplateLM.loglikelihood`` does for ``context == ""``; here a context of only
+    whitespace gets the same (lm-eval would score it with no context token at all).
 
     Args:
         encode: text -> token ids (BOS and special-token handling included).
         context, continuation: the two texts.
+        prefix_token_id: ``Tokenizer.prefix_token_id``; None leaves an empty context empty.
 
     Returns:
         (context ids, continuation ids).
@@ -232,6 +241,8 @@ def encode_pair(encode, context: str, continuation: str) -> tuple[list[int], lis
     if n:
         context, continuation = context[:-n], context[-n:] + continuation
     whole, ctx = encode(context + continuation), encode(context)
+    if not ctx and prefix_token_id is not None:
+        return [prefix_token_id], whole
     return ctx, whole[len(ctx):]
 
 
@@ -259,12 +270,13 @@ def build_score_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer, con
 
     A chat-templated context ends with the template's generation prompt (SmolLM2: ``<|im_start|>assistant\n``):
     its trailing newline moves to each continuation, as lm-evaluation-harness does with
-    ``--apply_chat_template``.
+    ``--apply_chat_template``. An empty prompt (not a null one) is an empty context: it is scored after
+    ``Tokenizer.prefix_token_id`` (``encode_pair``).
 
     Raises:
         RowError: as ``build_prompt``.
     """
-    text, messages = row_messages(row, spec)
+    text, messages = row_messages(row, spec, empty_prompt=True)
     bos = lambda ids: _with_bos(tokenizer, ids)  # noqa: E731
     if messages is None:
         context = text
@@ -277,5 +289,5 @@ def build_score_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer, con
         context = _render(tokenizer, _mark_messages(marker, messages))
         continuations = [marker.mark(c) for c in continuations]
         encode = lambda s: bos(marker.encode(s))  # noqa: E731
-    pairs = [encode_pair(encode, context, c) for c in continuations]
+    pairs = [encode_pair(encode, context, c, tokenizer.prefix_token_id) for c in continuations]
     return ScorePrompt(text, pairs[0][0], [cont for _, cont in pairs])

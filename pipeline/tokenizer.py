@@ -142,6 +142,13 @@ class Tokenizer:
         return "" if self.bos_token_id is None else self._hf.id_to_token(self.bos_token_id)
 
     @property
+    def prefix_token_id(self) -> int | None:
+        """The token a loglikelihood context that encodes to nothing is replaced by: BOS, else the first
+        declared EOS id, else None (lm-evaluation-harness's ``prefix_token_id``, ``lm_eval/models/huggingface.py``:
+        ``bos_token_id`` if not None, else ``eos_token_id``)."""
+        return self.bos_token_id if self.bos_token_id is not None else self._eos_id
+
+    @property
     def eos_token(self) -> str:
         """Text of the first declared EOS id (the tokenizer's own ``eos_token``), or ""."""
         return "" if self._eos_id is None else self._hf.id_to_token(self._eos_id)

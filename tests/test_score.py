@@ -219,3 +219,24 @@ def test_special_token_text_in_a_choice_stays_text(tokenizer):
     assert 2 not in sp.continuation_ids[0]  # <|im_end|> is id 2: the choice's text is not the special token
     sp = build_score_prompt(row, InputSpec(path="x", parse_special_tokens=True), tokenizer, ["<|im_end|>"])
     assert sp.continuation_ids[0][-1] == 2
+
+
+def test_context_plus_continuation_may_be_one_token_past_the_context():
+    """The continuation's last token is a target, never fed (lm-eval feeds ``(context + continuation)
+    [-(max_length + 1):][:-1]``): context + continuation of context_length + 1 tokens fit, + 2 do not."""
+    from pipeline.errors import RowError
+
+    engine = tiny_engine()  # context_length 512
+    context = CONTEXT[:8]
+    fits = [[5] * (512 + 1 - len(context))]
+    scores, _ = score(engine, context, fits)
+    assert scores[0].num_tokens == len(fits[0])
+    with pytest.raises(RowError, match="have 514 tokens, 513 positions to run; the model's context is 512"):
+        score(engine, context, [[5] * (512 + 2 - len(context))])
+
+
+def test_an_empty_context_takes_the_prefix_token(tokenizer):
+    enc = tokenizer.encode
+    assert encode_pair(enc, "", " world", 7) == ([7], enc(" world"))
+    assert encode_pair(enc, "   ", "x", 7) == ([7], enc("   x"))
+    assert encode_pair(enc, "", " world") == ([], enc(" world"))  # no prefix token given: left empty

@@ -263,3 +263,71 @@ def test_a_continuation_cell_that_is_not_a_string_says_what_it_is(tiny_model, qu
     assert row_choices(job, row(" yes")) == [" yes"]
     assert row_choices(job, row(None)) == "input.continuation_column 'answer' of row 'r1' is null"
     assert row_choices(job, row(5)) == "input.continuation_column 'answer' of row 'r1' must be a string, got int"
+
+
+def test_a_choices_cell_with_a_non_string_says_which(tiny_model, questions, tmp_path):
+    from pipeline.inputs import InputRow
+    from pipeline.run.plan import row_choices
+    job = job_from_dict(job_dict(tiny_model, questions, tmp_path))
+    row = lambda cell: InputRow(index=0, id="r1", prompt="p", messages=None, overrides={}, choices=cell)  # noqa: E731
+    where = "input.choices_column 'choices' of row 'r1' must be a non-empty list of strings, got "
+    assert row_choices(job, row([1, 2])) == where + "a list with a int (1)"
+    assert row_choices(job, row(["a", 3.5])) == where + "a list with a float (3.5)"
+    assert row_choices(job, row(["a", None])) == where + "a list with a null"
+
+
+def test_an_empty_context_is_scored_after_the_prefix_token(tiny_model, tmp_path):
+    """lm-eval's ``loglikelihood`` with ``context == ""`` (``acc_mutual_info``'s unconditional requests) scores
+    the continuation after ``prefix_token_id`` (BOS, else EOS): the row is scored, with that one context
+    token, as step-by-step decoding from it gives; a context of only whitespace the same, its whitespace moved
+    to the continuation."""
+    import mlx.core as mx
+
+    from pipeline import load_model
+
+    path = tmp_path / "ctx.parquet"
+    pq.write_table(pa.table({"id": [1, 2, 3], "ctx": ["", "  ", "Hello"], "cont": [" world", "x", " world"]}), path)
+    out = tmp_path / "out"
+    job = job_from_dict({"model": str(tiny_model), "task": "score", "output": {"dir": str(out)},
+                         "input": {"path": str(path), "id_column": "id", "prompt_column": "ctx",
+                                   "continuation_column": "cont", "apply_chat_template": False}})
+    run_job(job, progress=False, echo=lambda _: None)
+    rows = {r["id"]: r for r in read(out).to_pylist()}
+    assert [rows[i]["error"] for i in (1, 2, 3)] == [None, None, None]
+    lm = load_model(path=tiny_model)
+    tok, engine = lm.tokenizer, lm.engine
+    assert tok.prefix_token_id == tok.bos_token_id is not None
+    for i, cont in ((1, " world"), (2, "  x")):
+        ids = tok.encode(cont)
+        assert rows[i]["prompt_tokens"] == 1 and rows[i]["num_tokens"] == len(ids)
+        engine.reset()
+        logits = engine.prefill(mx.array([tok.prefix_token_id], dtype=mx.uint32))
+        want = []
+        for t in ids:
+            x = logits[0].astype(mx.float32)
+            want.append((x[t] - mx.logsumexp(x)).item())
+            logits = engine.model(mx.array([[t]], dtype=mx.int32), engine.cache)[:, -1, :]
+        assert rows[i]["token_logprobs"] == pytest.approx(want, abs=2e-5)
+
+
+def test_a_choice_that_joins_the_contexts_last_token_says_so(tiny_model, tmp_path):
+    path = tmp_path / "merge.parquet"
+    pq.write_table(pa.table({"id": [1], "ctx": ["Hello wor"], "cont": ["ld"]}), path)
+    out = tmp_path / "out"
+    job = job_from_dict({"model": str(tiny_model), "task": "score", "output": {"dir": str(out)},
+                         "input": {"path": str(path), "id_column": "id", "prompt_column": "ctx",
+                                   "continuation_column": "cont", "apply_chat_template": False}})
+    run_job(job, progress=False, echo=lambda _: None)
+    [row] = read(out).to_pylist()
+    assert row["error"] == ("choice 0 ('ld') adds no tokens to the context: context + choice encode to as many "
+                            "tokens as the context alone (the choice's text joins the context's last token)")
+
+
+def test_keys_a_score_job_does_not_read_leave_its_fingerprint_alone(tiny_model, questions, tmp_path):
+    """``input.truncate`` and ``input.row_overrides`` apply to generation only: changing them resumes a score
+    output dir (its fingerprint records their defaults, as output dirs written before held)."""
+    base = job_dict(tiny_model, questions, tmp_path)
+    fp = fingerprint(job_from_dict(base), {"sha256": "x"})
+    assert fp["prompt"]["truncate"] == "error" and fp["prompt"]["row_overrides"] is True
+    other = {**base, "input": {**base["input"], "truncate": "left", "row_overrides": False}}
+    assert fingerprint(job_from_dict(other), {"sha256": "x"}) == fp

@@ -66,9 +66,10 @@ def _check(engine, context: list[int], continuations: list[list[int]]) -> None:
     for i, c in enumerate(continuations):
         if not c:
             raise RowError(f"continuation {i} encodes to no tokens")
-    need = len(context) + max(map(len, continuations))
-    if need > engine.context_length:
-        raise RowError(f"context + continuation have {need} tokens; the model's context is {engine.context_length}")
+    tokens = len(context) + max(map(len, continuations))
+    if tokens - 1 > engine.context_length:  # the last token is a target, never an input (lm-eval's max_length + 1)
+        raise RowError(f"context + continuation have {tokens} tokens, {tokens - 1} positions to run; the model's "
+                       f"context is {engine.context_length}")
 
 
 def shared_blocker(caches: list, n_context: int, longest: int) -> str | None:

@@ -236,6 +236,14 @@ def by_prefix(lm: LoadedModel, job: JobSpec, samples) -> list:
     return sorted(samples, key=lambda t: ids[t[0].index])
 
 
+def _no_tokens(k: int, choice: str) -> str:
+    """Why choice ``k`` has no continuation tokens (``encode_pair`` split them all into the context)."""
+    if choice == "":
+        return f"choice {k} ('') encodes to no tokens"
+    return (f"choice {k} ({choice!r}) adds no tokens to the context: context + choice encode to as many tokens "
+            "as the context alone (the choice's text joins the context's last token)")
+
+
 def score_row(lm: LoadedModel, job: JobSpec, row: InputRow, indices: list[int],
               choices: list[str] | str) -> list[ScoreResult]:
     """``task: score``: the output rows of the choices ``indices`` of ``row`` (``choices`` from
@@ -255,8 +263,8 @@ def score_row(lm: LoadedModel, job: JobSpec, row: InputRow, indices: list[int],
         return [failed_score(row, k, text, c, str(e), t0) for k, c in zip(indices, picked)]
     ok = [i for i, ids in enumerate(sp.continuation_ids) if ids]
     out: dict[int, ScoreResult] = {
-        i: failed_score(row, indices[i], sp.text, picked[i], f"choice {indices[i]} ({picked[i]!r}) encodes to no tokens",
-                        t0) for i in range(len(picked)) if i not in ok}
+        i: failed_score(row, indices[i], sp.text, picked[i], _no_tokens(indices[i], picked[i]), t0)
+        for i in range(len(picked)) if i not in ok}
     if ok:
         times: dict = {}
         mx.reset_peak_memory()

@@ -46,7 +46,8 @@ def fingerprint(job: JobSpec, model_id: dict) -> dict:
     schema of every output dir written before it existed (their fingerprints hold).
 
     ``task: score`` adds ``task`` and ``score`` (the choices or continuation column) and leaves out
-    ``generation`` (unused); with ``task: generate`` neither key appears, so fingerprints of jobs written
+    ``generation`` (unused), recording ``input.row_overrides`` and ``input.truncate`` (which it does not read)
+    at their defaults, so changing them resumes; with ``task: generate`` neither key appears, so fingerprints of jobs written
     before scoring existed hold.
     """
     inp = job.input
@@ -76,6 +77,7 @@ def fingerprint(job: JobSpec, model_id: dict) -> dict:
         fp["task"] = "score"
         fp["score"] = {"choices_column": inp.choices_column, "continuation_column": inp.continuation_column}
         del fp["generation"]
+        fp["prompt"].update(row_overrides=True, truncate="error")  # read by generation only: their defaults
         fp["schema"] = schema_digest(result_schema(pa.string(), "score"))
     elif (schema := schema_digest()) != UNRECORDED_SCHEMA:
         fp["schema"] = schema
@@ -334,8 +336,10 @@ def row_choices(job: JobSpec, row: InputRow) -> list[str] | str:
         return [row.choices]
     cell = row.choices
     if not isinstance(cell, list) or not cell or not all(isinstance(c, str) for c in cell):
-        got = "null" if cell is None else "an empty list" if cell == [] else (
-            "a list with a null" if isinstance(cell, list) else type(cell).__name__)
+        got = "null" if cell is None else "an empty list" if cell == [] else type(cell).__name__
+        if isinstance(cell, list) and cell:
+            bad = next(c for c in cell if not isinstance(c, str))
+            got = "a list with a null" if bad is None else f"a list with a {type(bad).__name__} ({bad!r})"
         return (f"input.choices_column {inp.choices_column!r} of row {row.id!r} must be a non-empty list of "
                 f"strings, got {got}")
     return cell
