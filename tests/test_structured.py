@@ -367,6 +367,39 @@ def test_eos_only_where_the_grammar_accepts_and_length_when_cut(tiny):
     assert whole.finish_reason == "stop" and re.fullmatch("[a-z]{6}", whole.text)
 
 
+def test_ignore_eos_runs_a_value_that_may_go_on_to_max_tokens(tiny):
+    """``ignore_eos``: EOS is not offered where the value may end but go on (each word here), so every row runs
+    to max_tokens, its text in the grammar and no EOS among its tokens (vLLM's ignore_eos); sequential and
+    batched. A value that cannot go on still ends "stop"."""
+    eng = tiny.engine
+    structured = StructuredOutputsParams(regex=WORD.replace("{1,3}", "*"))
+    reqs = [Request(k, eng.tokenizer.encode(f"p {k}"), GenerateParams(
+        max_tokens=24, seed=k, temperature=1.0, ignore_eos=True, structured=structured)) for k in range(4)]
+    outs = [eng.generate(r.prompt_ids, r.params) for r in reqs] + [g for _, g in BatchEngine(eng, 3, 256).run(reqs)]
+    for g in outs:
+        assert g.finish_reason == "length" and len(g.token_ids) == 24, (g.finish_reason, g.text)
+        *words, last = g.text.split(" ")  # cut by max_tokens: the last word may be part of one
+        assert all(w in ("cat", "dog", "bird") for w in words) and any(w.startswith(last) for w in ("cat", "dog", "bird")), g.text
+        assert not set(g.token_ids) & set(eng.eos_token_ids), g.token_ids
+    whole = eng.generate(eng.tokenizer.encode("x"), GenerateParams(
+        max_tokens=12, temperature=1.0, ignore_eos=True, structured=StructuredOutputsParams(regex="[a-z]{6}")))
+    assert whole.finish_reason == "stop" and re.fullmatch("[a-z]{6}", whole.text)
+    assert not set(whole.token_ids) & set(eng.eos_token_ids)
+
+
+def test_stop_token_ids_that_are_all_the_grammar_allows_end_the_row(tiny):
+    """The grammar allows only letters, every letter is a stop id and the value may not end yet: the stop ids
+    stay allowed (not an empty mask, which sampled token 0 and failed the row with llguidance's dump), and the
+    one sampled ends the row as a stop id does without a grammar; sequential and batched."""
+    eng = tiny.engine
+    letters = sorted({eng.tokenizer.encode(c)[0] for c in "abcdefghijklmnopqrstuvwxyz"})
+    params = GenerateParams(max_tokens=8, stop_token_ids=letters, structured=StructuredOutputsParams(regex="[a-z]"))
+    seq = eng.generate(eng.tokenizer.encode("x"), params)
+    [(_, bat)] = BatchEngine(eng, 2, 256).run([Request(0, eng.tokenizer.encode("x"), params)])
+    for g in (seq, bat):
+        assert (g.finish_reason, g.text, g.token_ids) == ("stop", "", []) and g.stop_token_id in letters, g
+
+
 def test_a_stop_string_cuts_a_structured_value(tiny):
     eng = tiny.engine
     g = eng.generate(eng.tokenizer.encode("x"), GenerateParams(
@@ -657,3 +690,11 @@ def test_warm_up_traces_the_constrained_step(tmp_path):
     g = lm.engine.generate([1, 2, 3], GenerateParams(max_tokens=6, structured=StructuredOutputsParams(regex="[a-z]+")))
     assert lm.engine.trace_count == traces
     assert g.compiled == lm.engine.compile
+
+
+def test_a_rejected_tokens_error_leaves_out_the_matchers_dump():
+    from pipeline.engine.structured import one_line
+
+    dump = ('Parser Error: token "\\x00" doesn\'t satisfy the grammar; byte \'y\' fails parse <state> Tokens: x\n'
+            'Stop: ParserTooComplex </state><grammar> {"grammars": []} </grammar>')
+    assert one_line(dump) == 'Parser Error: token "\\x00" doesn\'t satisfy the grammar; byte \'y\' fails parse'

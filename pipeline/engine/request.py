@@ -45,7 +45,8 @@ class Decoding:
 
     Attributes:
         max_tokens: tokens this request may generate: ``params.max_tokens`` capped by the context.
-        stop_ids: ids that end it (``stop_token_ids``, plus the EOS ids unless ``ignore_eos``).
+        stop_ids: ids that end it (``stop_token_ids``, plus the EOS ids unless ``ignore_eos`` without
+            ``structured``: with a grammar, ``ignore_eos`` is kept by its masks, ``Constraint.fix_stops``).
         kind, consts, state: the sampler's ``SamplerKind``, ``SamplerConsts`` and current
             ``SamplerState`` (set by ``begin``; a decode loop that keeps the state elsewhere, such as
             the compiled step, may leave ``state`` at the first token's).
@@ -80,10 +81,14 @@ class Decoding:
             engine.note(f"a prompt of {n_prompt} tokens is longer than cache.max_kv_size {engine.max_kv_size}: "
                          "its first tokens (the system turn, say) are out of the attention window", "window")
         self.engine, self.prompt_ids, self.params, self.tag = engine, prompt_ids, params, tag
-        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else engine.eos_token_ids)
+        # ignore_eos with a grammar: its masks offer EOS only where the value is complete (nothing else allowed),
+        # and an EOS taken there ends the row as a stop (``Constraint.fix_stops``)
+        eos = params.ignore_eos and params.structured is None
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if eos else engine.eos_token_ids)
         self.checker = StopChecker(engine.tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens) \
             if params.stop else None
-        self.constraint = Constraint(params.structured, engine.tokenizer, engine.eos_token_ids, self.stop_ids) \
+        self.constraint = Constraint(params.structured, engine.tokenizer, engine.eos_token_ids, self.stop_ids,
+                                     ignore_eos=params.ignore_eos) \
             if params.structured is not None else None
         self.tokens: list[int] = []
         self.cached = 0

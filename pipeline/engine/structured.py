@@ -151,11 +151,13 @@ class StructuredOutputsParams:
 
 
 def one_line(message: str, key: str | None = None) -> str:
-    """llguidance's error text on one line: its lines joined, the source excerpts and carets left out; for a
+    """llguidance's error text on one line: its lines joined, the source excerpts and carets left out, and a
+    rejected token's dump of the parser state and grammar (``<state>...``) cut; for a
     ``key`` of "regex" or "choice" also its leading "at LINE(COLUMN): ", a place in the grammar llguidance wrapped
     the value in, not in the value."""
     if key in ("regex", "choice"):
         message = re.sub(r"^at \d+\(\d+\): ", "", message)
+    message = re.split(r"\s*<(?:state|grammar)>", message, maxsplit=1)[0]  # a matcher's dump of its state and grammar
     keep = [s.strip() for s in message.splitlines()
             if s.strip() and not set(s.strip()) <= {"^", " "} and "|" not in s[:8]]
     return " ".join(keep)
@@ -213,12 +215,14 @@ class Constraint:
         eos_token_ids: the engine's EOS ids (allowed where the grammar accepts).
         stop_ids: the request's ids that end it (``Decoding.stop_ids``); those that are not EOS ids take
             the EOS bit of every mask.
+        ignore_eos: ``SamplingParams.ignore_eos``: the masks offer EOS only where the grammar allows nothing
+            else (the value is complete).
 
     Raises:
         RowError: the grammar does not compile (a per-row value that ``check`` did not see).
     """
 
-    def __init__(self, params: StructuredOutputsParams, tokenizer, eos_token_ids, stop_ids):
+    def __init__(self, params: StructuredOutputsParams, tokenizer, eos_token_ids, stop_ids, ignore_eos: bool = False):
         tok = ll_tokenizer(tokenizer, tuple(sorted(eos_token_ids)))
         try:
             grammar = params.lark()
@@ -236,6 +240,8 @@ class Constraint:
         self.words = (tok.vocab_size + 31) // 32
         self.eos = tok.eos_tokens[0]
         self.extra_stops = sorted(i for i in stop_ids if i not in tok.eos_tokens and i < tok.vocab_size)
+        self.eos_ids = sorted(i for i in tok.eos_tokens if i < tok.vocab_size) if ignore_eos else []
+        self.fixes = bool(self.extra_stops or self.eos_ids)  # whether ``fix_stops`` changes anything
 
     def consume(self, token: int) -> None:
         """Advance the matcher by one generated token (or take the verdict ``verdict`` kept where
@@ -278,14 +284,31 @@ class Constraint:
         return self.matcher.is_stopped() if self._stopped is None else self._stopped
 
     def fix_stops(self, row: np.ndarray) -> None:
-        """Give the request's non-EOS stop ids the EOS bit of ``row`` (one mask, ``(words,)`` int32)."""
-        if not self.extra_stops:
+        """Fix the stop ids of ``row`` (one mask, ``(words,)`` int32, as llguidance filled it) in place:
+
+        - the request's non-EOS stop ids take its EOS bit (allowed where the value may end), unless clearing
+          them would leave no token at all (the grammar allows only those stop ids next): then they stay
+          allowed and the one sampled ends the row, as ``stop_token_ids`` do without a grammar (vLLM);
+        - with ``ignore_eos``, the EOS ids are cleared wherever any other token is allowed, so EOS is taken
+          only where the value is complete.
+        """
+        if not self.fixes:
             return
         bits = row.view(np.uint32)
-        ok = (bits[self.eos // 32] >> np.uint32(self.eos % 32)) & np.uint32(1)
-        for i in self.extra_stops:
-            one = np.uint32(1 << (i % 32))
-            bits[i // 32] = bits[i // 32] | one if ok else bits[i // 32] & ~one
+        if self.extra_stops:
+            ok = (bits[self.eos // 32] >> np.uint32(self.eos % 32)) & np.uint32(1)
+            fixed = bits.copy()
+            for i in self.extra_stops:
+                one = np.uint32(1 << (i % 32))
+                fixed[i // 32] = fixed[i // 32] | one if ok else fixed[i // 32] & ~one
+            if ok or fixed.any():
+                bits[:] = fixed
+        if self.eos_ids:
+            fixed = bits.copy()
+            for i in self.eos_ids:
+                fixed[i // 32] &= ~np.uint32(1 << (i % 32))
+            if fixed.any():
+                bits[:] = fixed
 
     def mask(self) -> np.ndarray:
         """The bitmask of the tokens allowed next, ``(1, words)`` int32 (computed with the GIL released)."""
@@ -417,7 +440,7 @@ class SlotMasks:
                 ends = c.stopped or c.matcher.is_error()
             if ends:
                 bitmask[b] = -1
-            elif c.extra_stops:
+            elif c.fixes:
                 c.fix_stops(bitmask[b])
 
     def _finish(self, packed: tuple | None, vocab: int) -> TokenMask | None:
