@@ -326,7 +326,8 @@ def json_columns(table: pa.Table, schema: dict | None = None) -> pa.Table:
     ``error``: ``json_json_error``).
 
     A row whose completion does not parse as a JSON object (a failed row, one cut by ``max_tokens``, a
-    value that is not an object) is kept: its fields are null and ``json_error`` (string) says why; null
+    value that is not an object, ``NaN`` or ``Infinity`` (not JSON, though Python's parser takes them), a number
+    beyond float64) is kept: its fields are null and ``json_error`` (string) says why; null
     where the completion parsed.
 
     Raises:
@@ -340,7 +341,7 @@ def json_columns(table: pa.Table, schema: dict | None = None) -> pa.Table:
             value, error = None, "no completion"
         else:
             try:
-                value, error = json.loads(text), None
+                value, error = json.loads(text, parse_constant=_not_json, parse_float=_finite_float), None
             except ValueError as e:
                 value, error = None, f"not JSON: {e}"
         if error is None and not isinstance(value, dict):  # null parses too, as None
@@ -354,6 +355,21 @@ def json_columns(table: pa.Table, schema: dict | None = None) -> pa.Table:
         values = [None if v is None else v.get(name) for v in parsed]
         table = table.append_column(_free_name(name, taken, "json_"), _flat_column(values))
     return table.append_column("json_error", pa.array(errors, pa.string()))
+
+
+def _not_json(name: str):
+    """``json.loads``' ``parse_constant``: ``NaN``, ``Infinity`` and ``-Infinity``, which Python's parser takes
+    but JSON (RFC 8259) has not, are an error (the record would not parse elsewhere)."""
+    raise ValueError(f"{name} is not a JSON value (RFC 8259 has no NaN or Infinity)")
+
+
+def _finite_float(text: str) -> float:
+    """``json.loads``' ``parse_float``: a number beyond float64 (``1e400``, which Python reads as inf) is an error,
+    not an infinity that no JSON writer can give back."""
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text} is beyond float64")
+    return value
 
 
 def _flat_column(values: list) -> pa.Array:

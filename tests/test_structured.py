@@ -698,3 +698,19 @@ def test_a_rejected_tokens_error_leaves_out_the_matchers_dump():
     dump = ('Parser Error: token "\\x00" doesn\'t satisfy the grammar; byte \'y\' fails parse <state> Tokens: x\n'
             'Stop: ParserTooComplex </state><grammar> {"grammars": []} </grammar>')
     assert one_line(dump) == 'Parser Error: token "\\x00" doesn\'t satisfy the grammar; byte \'y\' fails parse'
+
+
+def test_json_fields_refuse_nan_infinity_and_numbers_beyond_float64():
+    """Python's parser takes ``NaN`` / ``Infinity`` (not JSON, RFC 8259) and reads ``1e400`` as inf, which no JSON
+    writer gives back: each such record gets its ``json_error``, the others parse."""
+    import pyarrow as pa
+
+    from pipeline.export import json_columns
+
+    texts = ['{"a": NaN}', '{"a": -Infinity}', '{"a": 1e400}', '{"a": 1.5e300}']
+    out = json_columns(pa.table({"completion": texts}))
+    errors = out.column("json_error").to_pylist()
+    assert errors[:3] == ["not JSON: NaN is not a JSON value (RFC 8259 has no NaN or Infinity)",
+                          "not JSON: -Infinity is not a JSON value (RFC 8259 has no NaN or Infinity)",
+                          "not JSON: the number 1e400 is beyond float64"]
+    assert errors[3] is None and out.column("a").to_pylist() == [None, None, None, 1.5e300]
