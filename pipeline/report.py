@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import jinja2
@@ -262,7 +263,7 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
             file or a committed shard (exit 2, nothing written); the page's directory cannot be made or written
             (a parent that is a file, a read-only or special file system, no space left: one line naming
             ``--out`` and the OS's reason; each file is written under a temporary name and renamed, so none is
-            left half written).
+            left half written, and the directories made for the page are removed again).
         OutputError: ``out_dir`` has no manifest, or a committed shard is missing or damaged (as in
             ``pipeline export``).
     """
@@ -286,9 +287,20 @@ def write_report(out_dir: str | Path, out: str | Path | None = None) -> Path:
             raise ReportError(f"{option} {page}: cannot write it: {blocker} is a file, not a directory", exit_code=2)
         if page.is_dir():
             raise ReportError(f"{option} {page}: a directory; name the HTML file to write", exit_code=2)
+        made = next((d for d in reversed([page.parent, *page.parent.parents]) if not d.exists()), None)
         page.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise destination_error(option, page, e, ReportError) from None
+    try:
+        return _write_page(out_dir, manifest, table, page, option)
+    except BaseException:
+        if made is not None:  # the directories made for the page hold only what this call wrote
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
+def _write_page(out_dir: Path, manifest: dict, table, page: Path, option: str) -> Path:
+    """``write_report``'s charts and page into ``page.parent``, which exists."""
     summary = summary_numbers(manifest, table)
     status = job_status(out_dir)
     pending = status["rows_pending"]

@@ -176,6 +176,9 @@ def test_no_space_left_leaves_nothing_behind(out, tmpfs):
     code, err = cli("report", out, "--out", full / "r.html")
     assert (code, err) == (1, [f"error: --out {full / 'r.html'}: cannot write it: No space left on device"])
     assert listing(full) == ["filler", "keep.parquet"]
+    page = full / "new" / "sub" / "r.html"  # the directories made for it are removed again
+    assert cli("report", out, "--out", page) == (1, [f"error: --out {page}: cannot write it: No space left on device"])
+    assert listing(full) == ["filler", "keep.parquet"]
 
 
 def test_export_results_raises_export_error(out, afile):
