@@ -439,7 +439,7 @@ def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | 
                 table = _concat_files(spec, files, tables)
     if table is None:
         raise _no_rows(spec)
-    return table
+    return _exact_json_columns(table, files, spec.id_column) if fmt == "json" else table
 
 
 def _concat_files(spec: InputSpec, files: list[Path], tables: list[pa.Table | None]) -> pa.Table | None:
@@ -578,6 +578,57 @@ def _has_json(t: pa.DataType) -> bool:
     if pa.types.is_map(t):
         return _has_json(t.key_type) or _has_json(t.item_type)
     return False
+
+
+def _raw_json_rows(files: list[Path]) -> list | None:
+    """The records of JSON files as Python's ``json`` reads them, in order: JSON Lines (blank lines skipped) or
+    one array of objects per file; None when a file is neither."""
+    rows = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, ValueError):
+            return None
+        try:
+            part = [json.loads(line) for line in text.splitlines() if line.strip()]
+            if len(part) == 1 and isinstance(part[0], list):
+                part = part[0]
+        except ValueError:  # not JSON Lines: one array
+            try:
+                part = json.loads(text)
+            except ValueError:
+                return None
+        if not isinstance(part, list) or not all(isinstance(r, dict) for r in part):
+            return None
+        rows += part
+    return rows
+
+
+def _exact_json_columns(table: pa.Table, files: list[Path], id_column: str | None) -> pa.Table:
+    """``table`` (``datasets``' JSON reader's) with each mixed-type column (``_has_json``) re-read from the files.
+
+    ``datasets`` holds such a column's values as JSON text, but writes a string that is itself JSON text
+    unquoted: the string ``"5"`` becomes ``5``, ``"true"`` ``true``, ``"null"`` ``null``, the same text as the
+    number, boolean or null (datasets 5.2). So those columns are taken from the files' records as Python's
+    ``json`` reads them, each cell's value ``json.dumps``-ed (a top-level ``extension<arrow.json>`` column,
+    which ``_json_columns`` decodes). Kept as read when the records do not line up with the table's rows (a
+    file ``json`` reads otherwise than ``datasets``: other row counts or ids)."""
+    names = [n for n, t in zip(table.column_names, table.schema.types) if _has_json(t)]
+    if not names:
+        return table
+    rows = _raw_json_rows(files)
+    if rows is None or len(rows) < table.num_rows:
+        return table
+    rows = rows[:table.num_rows]  # read with stop_after: the first rows
+    if id_column in table.column_names and not _is_json(table.schema.field(id_column).type) and \
+            table.column(id_column).to_pylist() != [r.get(id_column) for r in rows]:
+        return table
+    for name in names:
+        texts = pa.array([None if r.get(name) is None else json.dumps(r[name], ensure_ascii=False) for r in rows],
+                         pa.string())
+        i = table.column_names.index(name)
+        table = table.set_column(i, pa.field(name, pa.json_()), pa.ExtensionArray.from_storage(pa.json_(), texts))
+    return table
 
 
 def _decode(value, t: pa.DataType):

@@ -4,6 +4,7 @@ CSV ids with an empty cell, and the one error line the CLI prints for them (no l
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,33 @@ def test_template_and_filter_read_mixed_json_values_decoded(tmp_path):
     assert [r.index for r in rows] == [0, 2]
     rows, _ = read_rows(spec(path=str(f), template="Q: {{ q }}", filter={"column": "tag", "one_of": [1, "b"]}))
     assert [r.index for r in rows] == [1]
+
+
+def test_strings_that_read_as_json_keep_their_type_beside_other_types(tmp_path):
+    """``datasets`` writes a string that is itself JSON text (``"5"``, ``"true"``, ``"null"``) unquoted in a
+    mixed-type column, as the number, boolean or null: the values are taken from the file as ``json`` reads it,
+    so ``"5"`` stays a string (a prompt, a template's text, a message's content) and only the real 5 fails."""
+    f = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Hi", "ans": "true"}, {"id": 2, "prompt": "5", "ans": 5},
+                                             {"id": 3, "prompt": 5, "ans": "null"}, {"id": 4, "prompt": "true", "ans": "1.50"}])
+    rows, _ = read_rows(spec(path=str(f), id_column="id"))
+    assert [(r.prompt, r.error) for r in rows] == [
+        ("Hi", None), ("5", None),
+        (None, "input.prompt_column: column 'prompt' holds an integer (5), expected a string"), ("true", None)]
+    rows, _ = read_rows(spec(path=str(f), id_column="id", template="A: {{ ans }}"))
+    assert [r.prompt for r in rows] == ["A: true", "A: 5", "A: null", "A: 1.50"]
+    chat = [{"id": "a", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "42"}]},
+            {"id": "b", "messages": [{"role": "user", "content": 5}]}]
+    f = write_jsonl(tmp_path / "chat.jsonl", chat)
+    s = spec(path=str(f), id_column="id", prompt_column=None, messages_column="messages")
+    rows, _ = read_rows(s)
+    assert row_messages(rows[0], s) == ("x", chat[0]["messages"])
+    with pytest.raises(RowError, match=r"'content' is an integer \(5\)"):
+        row_messages(rows[1], s)
+    f.unlink()
+    (tmp_path / "chat.json").write_text(json.dumps(chat))  # one JSON array: the same
+    rows, _ = read_rows(spec(path=str(tmp_path / "chat.json"), id_column="id", prompt_column=None,
+                             messages_column="messages"))
+    assert row_messages(rows[0], s) == ("x", chat[0]["messages"])
 
 
 # --- empty inputs and selections ------------------------------------------------------------------------
