@@ -61,6 +61,9 @@ EQUALS_GREEDY = [
     ("tiny top_p 1e-3", mx.float32, dict(temperature=1.0, top_p=1e-3)),
     ("tiny top_p 1e-3 with bfloat16 logits", mx.bfloat16, dict(temperature=1.0, top_p=1e-3)),
     ("min_p=1 keeps only the top", mx.float32, dict(temperature=1.0, min_p=1.0)),
+    ("temperature 1e-45, whose 1 / t is inf in float32 (vLLM: below 1e-5 is greedy)", mx.float32,
+     dict(temperature=1e-45)),
+    ("temperature 9e-6 (vLLM: below 1e-5 is greedy)", mx.float32, dict(temperature=9e-6)),
 ]
 
 

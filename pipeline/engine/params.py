@@ -15,7 +15,8 @@ class GenerateParams:
         max_tokens: most tokens to generate (>= 1).
         min_tokens: tokens generated before EOS, ``stop_token_ids`` or ``stop`` strings may end the
             generation (stop tokens are masked out of the distribution until then).
-        temperature: 0 is greedy; > 0 samples from ``softmax(logits / temperature)``.
+        temperature: 0 is greedy (so is anything below 1e-5, vLLM's ``_SAMPLING_EPS``); above, samples from
+            ``softmax(logits / temperature)``.
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1: off).
         top_k: keep the k most likely tokens (0 or -1: off).
         min_p: drop tokens less likely than ``min_p`` times the most likely one (0: off).

@@ -49,12 +49,17 @@ def row_seed(job_seed: int, row_id, sample_index: int) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
+# Temperatures below this are greedy: vLLM's ``_SAMPLING_EPS`` (vllm/sampling_params.py). 1 / t in float32 is
+# inf below ~2.9e-39, which turned the logits into NaN and the tokens into noise.
+SAMPLING_EPS = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplerKind:
     """What of a request's sampling settings changes the traced graph (part of a closure's key).
 
     Attributes:
-        greedy: temperature 0 (argmax).
+        greedy: temperature below ``SAMPLING_EPS`` (argmax), as vLLM.
         penalties: a repetition, presence or frequency penalty is active.
         filters: min_p, top_k or top_p is active (needs a sort of the vocabulary).
         suppress: stop tokens are masked until ``min_tokens`` tokens are generated.
@@ -71,7 +76,7 @@ class SamplerKind:
     def of(cls, params, suppress_ids) -> SamplerKind:
         """The kind for ``params`` (an ``engine.GenerateParams``); ``suppress_ids``: the ids masked
         before ``min_tokens``."""
-        greedy = params.temperature == 0
+        greedy = params.temperature < SAMPLING_EPS
         return cls(
             greedy=greedy,
             penalties=(params.repetition_penalty != 1 or params.presence_penalty != 0
@@ -123,7 +128,7 @@ def sampler_consts(params, vocab_size: int, suppress_ids) -> SamplerConsts:
         suppress[mx.array(ids)] = True
     f32 = lambda v: mx.array(v, dtype=mx.float32)  # noqa: E731
     return SamplerConsts(
-        f32(1.0 / t if t > 0 else 1.0),
+        f32(1.0 / t if t >= SAMPLING_EPS else 1.0),
         mx.array(min(params.top_k, vocab_size) if params.top_k > 0 else vocab_size, dtype=mx.int32),
         f32(params.top_p if params.top_p < 1 else 2.0),
         f32(params.min_p),
