@@ -191,6 +191,8 @@ class InputSpec:
             bad.append(f"input.truncate must be error, left or right, got {self.truncate!r}")
         if self.messages_column and not self.apply_chat_template:
             bad.append("input.messages_column needs input.apply_chat_template: true")
+        if self.system_prompt is not None and not self.apply_chat_template:
+            bad.append("input.system_prompt needs input.apply_chat_template: true (a raw prompt has no system turn)")
         if self.order not in ("input", "prefix"):
             bad.append(f"input.order must be input or prefix, got {self.order!r}")
         bad.raise_any()
@@ -651,7 +653,11 @@ def _check_value(value, tp, where: str):
         problems.raise_any()
         return out
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # beyond float64: 10**400
+            raise JobSpecError(f"{where} must be a finite number, got an integer of {len(str(abs(value)))} digits") \
+                from None
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
         raise JobSpecError(f"{where} must be {tp.__name__}, got {type(value).__name__} {value!r}")
     return value
@@ -674,7 +680,8 @@ def _build(cls, data, where: str):
 
     Raises:
         JobSpecError: every problem found: unknown and missing keys, wrong types, and the range
-            checks of ``cls.check()`` (run with defaults in place of the keys of the wrong type).
+            checks of ``cls.check()`` (run with defaults in place of the keys of the wrong type; its problems
+            that name such a key are left out, as they judged the default).
     """
     if not isinstance(data, dict):
         raise JobSpecError(f"{where or 'job'} must be a mapping, got {type(data).__name__}")
@@ -683,6 +690,7 @@ def _build(cls, data, where: str):
     problems = _Problems()
     problems += _unknown_keys(data, fields, where)
     kwargs = {}
+    failed = []  # fields with a problem of their own: check() sees their defaults, not their values
     for name, f in fields.items():
         path = f"{where}.{name}" if where else name
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -692,8 +700,10 @@ def _build(cls, data, where: str):
                 continue
             except JobSpecError as e:
                 problems += e.problems
+                failed.append(name)
         elif required:
             problems.append(f"missing required key {path!r}")
+            failed.append(name)
         if required:
             kwargs[name] = None  # a placeholder so that check() still reports the other keys' problems
     obj = cls(**kwargs)
@@ -701,7 +711,10 @@ def _build(cls, data, where: str):
         try:
             obj.check()
         except JobSpecError as e:
-            problems += e.problems
+            # a check naming a failed field judged its default ("set exactly one of equals or one_of" after
+            # a bad equals): said already, and false
+            named = re.compile(r"\b(?:%s)\b" % "|".join(map(re.escape, failed))) if failed else None
+            problems += [p for p in e.problems if named is None or not named.search(p)]
     problems.raise_any()
     return obj
 

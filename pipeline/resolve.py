@@ -100,6 +100,8 @@ def check_model_spec(spec: str) -> None:
     """
     if spec in ALIASES:
         return
+    if not spec.strip():  # Path("") is the current directory
+        raise ModelResolveError(f"model must name a model, got {spec!r} (e.g. {next(iter(ALIASES))})")
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_dir():

@@ -316,6 +316,45 @@ def test_bad_max_tokens_is_one_problem_not_two():
     assert str(e.value) == "input column 'max_tokens' must be >= 1, got -3"
 
 
+@pytest.mark.parametrize("inp, problems", [
+    ({"path": "x", "filter": {"column": "id", "equals": [1]}},
+     ["input.filter.equals must be str or int or float or bool, got list [1]"]),
+    ({"dataset": {"name": "", "split": ""}},
+     ["input.dataset.name must be a non-empty string", "input.dataset.split must be a non-empty string"]),
+    ({"dataset": {"split": "test"}}, ["missing required key 'input.dataset.name'"]),
+])
+def test_a_bad_key_is_said_once_not_again_by_a_check_of_its_default(inp, problems):
+    """The range checks run with a default in place of a key of the wrong type or a missing one: a check
+    about that key judged the default ("set exactly one of equals or one_of" after a bad equals) and is left
+    out."""
+    with pytest.raises(JobSpecError) as e:
+        job_from_dict({"input": inp, "output": {"dir": "o"}})
+    assert e.value.problems == problems
+
+
+def test_an_integer_beyond_float64_is_one_problem_not_a_traceback():
+    with pytest.raises(JobSpecError) as e:
+        job_from_dict({"input": {"path": "x"}, "output": {"dir": "o", "flush_seconds": 10**400},
+                       "generation": {"temperature": 10**400, "max_tokens": 0}})
+    assert sorted(e.value.problems) == ["generation.max_tokens must be >= 1, got 0",
+                                        "generation.temperature must be a finite number, got an integer of 401 digits",
+                                        "output.flush_seconds must be a finite number, got an integer of 401 digits"]
+
+
+def test_a_system_prompt_needs_the_chat_template():
+    with pytest.raises(JobSpecError) as e:
+        job_from_dict(minimal(input={"path": "x", "system_prompt": "Be brief.", "apply_chat_template": False}))
+    assert str(e.value) == "input.system_prompt needs input.apply_chat_template: true (a raw prompt has no system turn)"
+
+
+def test_an_empty_model_is_named_as_such():
+    from pipeline.resolve import ModelResolveError, check_model_spec
+
+    for spec in ("", "  "):
+        with pytest.raises(ModelResolveError, match=r"^model must name a model, got '\s*' \(e.g. "):
+            check_model_spec(spec)
+
+
 def test_engine_fused_auto_leaves_the_fingerprint_as_before():
     """Output dirs written before engine.fused existed resume: "auto" adds nothing to the fingerprint;
     an explicit setting is recorded."""
