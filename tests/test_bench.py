@@ -201,6 +201,13 @@ def test_cli_needs_a_model():
     (["--cache", "bogus"], "error: unknown cache kind 'bogus' (full, rotating:N, q8, q4, rotating-q8:N)"),
     (["--cache", "rotating:0"], "error: cache kind 'rotating:0': SIZE must be a positive integer"),
     (["--variants", "bogus"], "error: unknown variant 'bogus' (eager, compiled, fused, fused-replay, fused-layers)"),
+    (["--variants", ",,"], "error: --variants: name at least one"),
+    (["--cache", ","], "error: --cache: name at least one"),
+    (["--json", "/nonexistent-dir/x.json"], "error: --json /nonexistent-dir/x.json: cannot write it: its directory "
+                                             "/nonexistent-dir does not exist"),
+    (["--prompts", "5"], "error: --prompts: job throughput settings; add --batch-size"),
+    (["--prompts-b1", "2", "--prompt-column", "q"],
+     "error: --prompts-b1, --prompt-column: job throughput settings; add --batch-size"),
 ])
 def test_cli_bad_settings_are_one_line_exit_2(args, line):
     """Bench settings the command line got wrong exit 2, as click's own checks (--prompt-tokens 0) do."""

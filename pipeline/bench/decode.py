@@ -21,7 +21,7 @@ from ..errors import RowError
 from ..engine.cuda import fused_blocker
 from ..loader import compute_dtype
 from .peer import _peer_generate, load_peer, peer_windows
-from .settings import BenchError, _cache_spec, _check_context, parse_cache_kind
+from .settings import BenchError, _cache_spec, _check_context, check_json_path, parse_cache_kind
 from .shapes import _kv_layout, _load_ours, kv_read_bytes, weight_format, weight_read_bytes
 from .tables import _row_line, emit, result_document, same_format_peer
 from .throughput import run_batch_bench
@@ -52,9 +52,14 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
     ``prompts_b1``, ``temperature``, ``top_p``, ``prompts_file`` and ``prompt_column`` apply there only).
 
     Raises:
-        BenchError: bad settings (also a batch-mode-only setting without ``batch_sizes``). Model-loading
+        BenchError: bad settings (also a batch-mode-only setting without ``batch_sizes``, no cache kind or
+            variant, a ``json_path`` that cannot be written), before anything loads. Model-loading
             errors propagate as ``load_model``'s do.
     """
+    check_json_path(json_path)  # before anything loads: the results are not lost at the end
+    for option, values in (("--cache", caches), ("--variants", variants)):
+        if not values:
+            raise BenchError(f"{option}: name at least one")
     if batch_sizes:
         return run_batch_bench(model, random=random, batch_sizes=batch_sizes, prompts=prompts, prompts_b1=prompts_b1,
                                prompt_tokens=prompt_tokens[0], max_tokens=max_tokens, trials=trials, caches=caches,
@@ -63,7 +68,9 @@ def run_bench(model: str | None = None, *, random: str | None = None, prompt_tok
                                temperature=0.0 if temperature is None else temperature,
                                top_p=1.0 if top_p is None else top_p, prompts_file=prompts_file,
                                prompt_column=prompt_column)
-    given = [name for name, v in (("--temperature", temperature), ("--top-p", top_p), ("--prompts-file", prompts_file))
+    given = [name for name, v in (("--temperature", temperature), ("--top-p", top_p), ("--prompts-file", prompts_file),
+                                  ("--prompts", prompts), ("--prompts-b1", prompts_b1),
+                                  ("--prompt-column", None if prompt_column == "prompt" else prompt_column))
              if v is not None]
     if given:
         raise BenchError(f"{', '.join(given)}: job throughput settings; add --batch-size")

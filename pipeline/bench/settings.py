@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from ..jobspec import CacheSpec
 
 
@@ -13,6 +16,30 @@ class BenchError(ValueError):
 class BenchFailed(RuntimeError):
     """A benchmark run broke its own premise (the engine rejected a prompt, returned too few results, or
     generated another token count than asked): a bug, exit 1."""
+
+
+def check_json_path(json_path) -> None:
+    """Refuse a ``--json`` file that could not be written, before anything loads or runs: its directory
+    missing, not a directory, or not writable.
+
+    Raises:
+        BenchError: one line naming ``--json``, the path and why.
+    """
+    if json_path is None:
+        return
+    path = Path(json_path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        why = "a directory"
+    elif not parent.exists():
+        why = f"its directory {parent} does not exist"
+    elif not parent.is_dir():
+        why = f"{parent} is not a directory"
+    elif not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        why = "not writable"
+    else:
+        return
+    raise BenchError(f"--json {json_path}: cannot write it: {why}")
 
 
 def parse_cache_kind(text: str) -> dict:

@@ -20,6 +20,7 @@ from .. import _blas
 from ..engine import Engine
 from ..models import dequantized_nbytes
 from .shapes import BenchModel, weight_format, weight_read_bytes
+from .settings import BenchFailed
 
 SCHEMA = "pipeline.bench/1"
 
@@ -91,7 +92,11 @@ def emit(doc: dict, echo: Callable[[str], None], json_path: str | Path | None) -
     """Print ``doc``'s table with ``echo``, write it as JSON to ``json_path`` (if given), return it."""
     echo(format_table(doc))
     if json_path is not None:
-        Path(json_path).write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+        try:
+            Path(json_path).write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+        except OSError as e:  # checked before the run (settings.check_json_path); a full disk now, say
+            raise BenchFailed(f"--json {json_path}: cannot write it: {e.strerror or e} (the table above has the "
+                              "results)") from None
     return doc
 
 
