@@ -314,3 +314,15 @@ def test_a_unit_shard_is_adopted_only_with_the_settings_that_planned_it(tmp_path
         assert [(s["file"], s["run"]) for s in store.manifest["shards"]] == [("part-00000.parquet", 1)] + \
             [(unit, 2)] * len(adopted)
         assert store.manifest["fingerprint"] == resume
+
+
+def test_the_first_signal_says_how_to_stop_at_once_in_its_own_terms():
+    """SIGINT is Ctrl-C at a terminal; a SIGTERM comes from a supervisor (kill, a scheduler), which has no
+    Ctrl-C to press."""
+    from pipeline.run.control import _Signals
+
+    for signum, again in ((signal.SIGINT, "press Ctrl-C again"), (signal.SIGTERM, "send SIGINT or SIGTERM again")):
+        said = []
+        _Signals(said.append, "rows")._handle(signum, None)
+        assert said == [f"{signal.Signals(signum).name}: finishing the rows in flight, then committing; {again} to "
+                        "stop at once"]

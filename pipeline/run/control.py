@@ -166,7 +166,8 @@ class _Signals:
         if self.first is None:
             self.first = name
             what = "the rows in flight" if self.what == "rows" else "the row in flight"
-            self.say(f"{name}: finishing {what}, then committing; press Ctrl-C again to stop at once")
+            again = "press Ctrl-C again" if name == "SIGINT" else "send SIGINT or SIGTERM again"
+            self.say(f"{name}: finishing {what}, then committing; {again} to stop at once")
         else:
             raise Aborted(name)
 
