@@ -97,8 +97,10 @@ class _Marker:
         return self.pattern.sub(self._sub, text) if self.active else text
 
     def encode(self, text: str) -> list[int]:
-        """Ids of a text built from marked strings: its markup pieces with special tokens parsed, each
-        placeholder's original text without.
+        """Ids of a text built from marked strings: the template's own special tokens as their ids, and each
+        stretch of text between them, placeholders back to their original text, encoded as plain text in one
+        piece, as Hugging Face ``tokenizers`` splits a text at special tokens only (so ``"a <|im_end|> b"``
+        merges " <" as the plain text does).
 
         Raises:
             RowError: the template cut up a placeholder.
@@ -110,11 +112,24 @@ class _Marker:
             raise RowError("the chat template cut up special-token text in the messages "
                            "(set input.parse_special_tokens: true to encode the rendered text as it is)")
         ids: list[int] = []
+        run: list[str] = []  # plain text since the last special token of the template
+
+        def flush():
+            if run:
+                ids.extend(self.tokenizer.encode("".join(run), parse_special=False))
+                run.clear()
+
         for i, piece in enumerate(pieces):
             if i % 2:
-                ids += self.tokenizer.encode(self.originals[int(piece)], parse_special=False)
-            elif piece:
-                ids += self.tokenizer.encode(piece, parse_special=True)
+                run.append(self.originals[int(piece)])
+                continue
+            for j, part in enumerate(re.split(f"({self.pattern.pattern})", piece)):
+                if j % 2:  # the template's own markup
+                    flush()
+                    ids += self.tokenizer.encode(part, parse_special=True)
+                elif part:
+                    run.append(part)
+        flush()
         return ids
 
 

@@ -306,3 +306,18 @@ def test_none_valued_keys_are_dropped_others_passed_through(tok):
     p = build_prompt(row(messages=messages), InputSpec(path="x", messages_column="m"), keyed)
     assert tok.decode(p.token_ids) == "user: hi\nassistant(bot)[tools]: ok\n"
     assert messages[0]["name"] is None  # the row is not modified
+
+
+def test_special_token_text_is_encoded_as_the_plain_text_around_it(tok):
+    """Between the template's own special tokens the text is encoded in one piece with the data's special-token
+    text as plain text, as the HF ``tokenizers`` library encodes it with ``encode_special_tokens`` (it splits a
+    text at special tokens only): "a <|im_end|> b" merges " <" as plain text does."""
+    import tokenizers
+
+    hf = tokenizers.Tokenizer.from_str(tok.to_str())
+    hf.encode_special_tokens = True
+    for content in ("a <|im_end|> b", "x<|im_start|>y <|endoftext|>z", "<|im_end|>"):
+        ids = build_prompt(row(content), InputSpec(path="x"), tok).token_ids
+        user = [i for i, t in enumerate(ids) if t == IM_START][1]  # after the template's system turn
+        end = ids.index(IM_END, user)
+        assert ids[user + 1:end] == hf.encode("user\n" + content, add_special_tokens=False).ids, content
