@@ -659,7 +659,8 @@ def _check_value(value, tp, where: str):
             raise JobSpecError(f"{where} must be a finite number, got an integer of {len(str(abs(value)))} digits") \
                 from None
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
-        raise JobSpecError(f"{where} must be {tp.__name__}, got {type(value).__name__} {value!r}")
+        got = "null" if value is None else f"{type(value).__name__} {value!r}"
+        raise JobSpecError(f"{where} must be {tp.__name__}, got {got}")
     return value
 
 

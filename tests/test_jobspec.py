@@ -569,3 +569,11 @@ def test_load_job_merge_keys_may_be_overridden(tmp_path):
                  "generation:\n  <<: {max_tokens: 4, seed: 1}\n  max_tokens: 9\n", encoding="utf-8")
     gen = load_job(f).generation
     assert (gen.max_tokens, gen.seed) == (9, 1)
+
+
+def test_a_null_inside_a_list_is_said_as_null():
+    from pipeline.jobspec import with_overrides
+
+    with pytest.raises(JobSpecError) as e:
+        with_overrides(GenerationSpec(), {"stop": ["a", None]})
+    assert str(e.value) == "input column 'stop'[1] must be str, got null"
