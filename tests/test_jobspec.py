@@ -112,7 +112,7 @@ def test_wrong_type_names_the_key(data, key):
 
 
 def test_null_for_non_optional_key_is_an_error():
-    with pytest.raises(JobSpecError, match=r"generation\.max_tokens must be int, got NoneType"):
+    with pytest.raises(JobSpecError, match=r"generation\.max_tokens must be int, got null"):
         job_from_dict(minimal(generation={"max_tokens": None}))
 
 
