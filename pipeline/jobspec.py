@@ -747,7 +747,8 @@ class DuplicateKeyError(yaml.constructor.ConstructorError):
 
 
 class _JobLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (``DuplicateKeyError``, naming its path).
+    """``yaml.SafeLoader`` that records each key repeated in one mapping (``duplicates``: ``DuplicateKeyError``,
+    naming its path), so that they are reported with the job's other problems.
 
     Keys are compared as constructed values (``1`` and ``0x1`` are one key); the keys a merge (``<<: *a``)
     brings in may be overridden by the mapping's own, as YAML defines. The constructor builds mappings
@@ -756,6 +757,7 @@ class _JobLoader(yaml.SafeLoader):
     def __init__(self, stream):
         super().__init__(stream)
         self._paths: dict[int, str] = {}
+        self.duplicates: list[DuplicateKeyError] = []  # every repeated key (the last value is kept meanwhile)
 
     def _path(self, node) -> str:
         return self._paths.get(id(node), "")
@@ -773,7 +775,8 @@ class _JobLoader(yaml.SafeLoader):
                     continue
                 path = f"{where}.{key}" if where else str(key)
                 if first is not key_node:
-                    raise DuplicateKeyError(path, key_node.start_mark.line + 1, first.start_mark.line + 1)
+                    self.duplicates.append(DuplicateKeyError(path, key_node.start_mark.line + 1,
+                                                             first.start_mark.line + 1))
                 self._paths.setdefault(id(value_node), path)
         return super().construct_mapping(node, deep=deep)
 
@@ -795,21 +798,27 @@ def load_job(path: str | Path) -> JobSpec:
     path = Path(path)
     try:
         raw = path.read_bytes()
-        data = yaml.load(raw.decode("utf-8"), Loader=_JobLoader)  # noqa: S506 - a SafeLoader
+        loader = _JobLoader(raw.decode("utf-8"))
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except OSError as e:
         raise JobSpecError(f"cannot read job file {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         bom = "; it starts with a UTF-16 byte order mark" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
         raise JobSpecError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}){bom}; "
                            "save it as UTF-8") from None
-    except DuplicateKeyError as e:
-        raise JobSpecError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise JobSpecError(f"{path}: invalid YAML{where}: {problem}") from None
+    problems = [str(d) for d in loader.duplicates]
     try:
-        return job_from_dict(data if data is not None else {})
+        job = job_from_dict(data if data is not None else {})
     except JobSpecError as e:
-        raise JobSpecError([f"{path}: {p}" for p in e.problems]) from None
+        problems += e.problems
+    if problems:
+        raise JobSpecError([f"{path}: {p}" for p in problems])
+    return job

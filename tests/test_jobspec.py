@@ -562,6 +562,16 @@ def test_load_job_duplicate_key_names_its_path(tmp_path, text, message):
     assert str(e.value) == f"{f}: {message}"
 
 
+def test_a_duplicate_key_is_said_with_every_other_problem(tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_text("input:\n  path: a.parquet\noutput:\n  dir: out\ngeneration:\n  max_tokens: 5\n  max_tokens: 6\n"
+                 "cache:\n  kv_bits: 3\n", encoding="utf-8")
+    with pytest.raises(JobSpecError) as e:
+        load_job(f)
+    assert e.value.problems == [f"{f}: duplicate key 'generation.max_tokens' (line 7; first at line 6)",
+                                f"{f}: cache.kv_bits must be 4 or 8, got 3"]
+
+
 def test_load_job_merge_keys_may_be_overridden(tmp_path):
     """YAML merge keys are not duplicates: the mapping's own key wins over the merged one."""
     f = tmp_path / "job.yaml"
