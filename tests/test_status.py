@@ -169,3 +169,20 @@ def test_a_short_eta_with_rows_pending_is_not_shown_as_nothing_left():
 
     assert (_duration(0.2), _duration(0.0), _duration(65.4), _duration(3700.0), _duration(None)) == (
         "0m01s", "0m00s", "1m05s", "1h01m40s", "unknown")
+
+
+def test_a_run_whose_model_did_not_load_is_recorded_as_such(tiny, tmp_path):
+    """kv_group_size 32 does not divide the tiny model's head_dim of 16: the load fails (an error of the job for
+    this model); its run record ends with why, so status does not call it killed."""
+    from pipeline.engine.cache import CacheConfigError
+
+    spec = job(tiny, tmp_path)
+    out = tmp_path / "out"
+    run_job(spec, limit=2, progress=False, echo=lambda _: None)
+    bad = job_from_dict({**spec.to_dict(), "cache": {"kv_bits": 8, "kv_group_size": 32}})
+    with pytest.raises(CacheConfigError):
+        run_job(bad, force=True, progress=False, echo=lambda _: None)
+    last = json.loads((out / "manifest.json").read_text())["runs"][-1]
+    assert last["stopped"].startswith("the model did not load: ") and last["rows_written"] == 0
+    st = job_status(out)
+    assert (st["runs"], st["runs_unrecorded"]) == (2, 0) and "unrecorded" not in format_status(st)

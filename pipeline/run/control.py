@@ -316,7 +316,11 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
 
     say = (lambda m: tqdm.write(m, file=sys.stderr)) if progress else (lambda m: None)
     t_load = time.perf_counter()
-    lm = load_job_model(job, path)
+    try:
+        lm = load_job_model(job, path)
+    except Exception as e:
+        _record_failed_load(store, e)
+        raise
     say(f"loaded {job.model} ({_model_line(lm)}) in {time.perf_counter() - t_load:.1f} s")
     store.update_run(device=str(mx.default_device()))
     if mx.default_device() == mx.cpu:
@@ -498,6 +502,17 @@ def _finish(summary: RunSummary, store: ShardStore,
         error = stopped.again(committed, note)
     error.summary = summary
     raise error from None
+
+
+def _record_failed_load(store: ShardStore, e: Exception) -> None:
+    """End the run record of a run whose model did not load (``stopped`` says why; nothing generated), so that
+    ``pipeline status`` does not count it as killed. Best effort: where the manifest cannot be written, the
+    load's error is the one to report."""
+    why = (str(e).splitlines() or [type(e).__name__])[0]
+    with contextlib.suppress(OutputWriteError):
+        store.finish_run(False, stopped=f"the model did not load: {why}", finished=_now(), rows_written=0,
+                         rows_failed=0, completion_tokens=0, prompt_tokens=0, cached_prompt_tokens=0, elapsed_s=0.0,
+                         interrupted=None, aborted=False)
 
 
 def _stop_reason(e: OutputWriteError | GenerationError) -> str:
