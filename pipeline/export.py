@@ -150,9 +150,11 @@ def export_format(to: str) -> str:
     written with a trailing ``/``, ``--to .data/``).
 
     Raises:
-        ExportError: any other suffix, or a name that is only a suffix; a name the OS refuses to look up (too
-            long: "--to NAME: cannot write it: File name too long").
+        ExportError: an empty ``to``, any other suffix, or a name that is only a suffix; a name the OS refuses to
+            look up (too long: "--to NAME: cannot write it: File name too long").
     """
+    if not to.strip():  # Path("") is the current directory
+        raise ExportError(f"--to must name a file or directory, got {to!r}")
     p = Path(to)
     if to.endswith(("/", os.sep)):
         return "hf-dir"

@@ -114,6 +114,14 @@ def test_a_name_that_is_only_a_suffix_is_refused(out, tmp_path, monkeypatch, nam
     assert listing(tmp_path) == []
 
 
+def test_an_empty_destination_is_refused_as_such(out, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for to in ("", " "):
+        for extra in ((), ("--overwrite",)):
+            assert cli("export", out, "--to", to, *extra) == (2, [f"error: --to must name a file or directory, got {to!r}"])
+    assert listing(tmp_path) == []
+
+
 def test_a_hidden_dataset_directory_with_a_trailing_slash(out, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli("export", out, "--to", ".data/")[0] == 0
