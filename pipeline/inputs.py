@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -411,6 +412,8 @@ def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | 
                 raise InputError(f"{what}: not readable: {problem}")
         kwargs["index_col"] = False  # never the first column as the index (see _csv_first_row)
         kwargs["keep_default_na"], kwargs["na_values"] = False, [""]  # _csv_nulls restores the rest per column
+        if spec.id_column:
+            kwargs["converters"] = {spec.id_column: str}  # as written: "007" is not 7 (_csv_ids)
     def load(data_files: list[Path], passed: tuple[type, ...] = ()) -> pa.Table | None:
         try:
             ds = datasets.load_dataset(fmt, data_files=[str(f) for f in data_files], split="train", streaming=True,
@@ -490,6 +493,24 @@ def _read_hub(d: DatasetSpec, stop_after: int | None) -> pa.Table | None:
         return _stream(ds, what, stop_after)
 
 
+_CANONICAL_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+
+
+def _csv_ids(table: pa.Table, spec: InputSpec) -> pa.Table:
+    """CSV: the id column, read as written (``converters``), as int64 when every id is an integer written as
+    Python writes it (``7``, ``-12``), else as strings, so an id such as ``007`` or ``1e3`` keeps its text (pandas
+    would read ``007`` as 7: two ids ``007`` and ``7`` the same, and the output's id not the input's)."""
+    name = spec.id_column
+    if not name or name not in table.column_names or not _is_string(table.schema.field(name).type):
+        return table
+    values = [v.strip() for v in table.column(name).drop_null().to_pylist()]
+    if not all(_CANONICAL_INT.fullmatch(v) and -2**63 <= int(v) < 2**63 for v in values):
+        return table
+    i = table.column_names.index(name)
+    col = pa.array([None if v is None else int(v) for v in table.column(name).to_pylist()], pa.int64())
+    return table.set_column(i, pa.field(name, pa.int64()), col)
+
+
 def _integral_ids(table: pa.Table, spec: InputSpec) -> pa.Table:
     """CSV: an integer id column with an empty cell reads as float (pandas: NaN); back to integers, so
     that the empty cell is a null id ("null id in row(s) 2", as for Parquet), not a float column."""
@@ -524,7 +545,7 @@ def _read(spec: InputSpec, pick, stop_after: int | None) -> pa.Table:
             return _read_parquet(spec, files, pick, stop_after)
         table, where = _read_files(spec, files, fmt, stop_after, pick), "input"
         if fmt == "csv":
-            table = _integral_ids(_csv_nulls(spec, table), spec)
+            table = _integral_ids(_csv_ids(_csv_nulls(spec, table), spec), spec)
     keys = pick(table.column_names)
     if keys is None:
         return table

@@ -221,9 +221,22 @@ def test_csv_integer_ids_with_an_empty_cell_are_a_null_id(tmp_path):
     assert error_of(path=str(f), id_column="id") == "input.id_column 'id': null id in row(s) 2"
     rows, id_type = read_rows(spec(path=str(f), id_column="id", filter={"column": "lang", "equals": "en"}))
     assert id_type == pa.int64() and [r.id for r in rows] == [1, 2]
-    f.write_text("id,prompt\n1.5,Hi\n,Yo\n", encoding="utf-8")  # not integers: the column's type is wrong
-    assert error_of(path=str(f), id_column="id") == (
-        "input.id_column: column 'id' has type double, expected integer or string")
+    f.write_text("id,prompt\n1.5,Hi\n,Yo\n", encoding="utf-8")  # not integers: string ids, one null
+    assert error_of(path=str(f), id_column="id") == "input.id_column 'id': null id in row(s) 1"
+
+
+def test_csv_ids_keep_their_text_unless_every_one_is_a_plain_integer(tmp_path):
+    """pandas reads 007 as 7 (the output's id would not be the input's, and 007 and 7 would be one id): ids are
+    read as written, and are integers only where every id is one as written (7, -12)."""
+    f = tmp_path / "in.csv"
+    for text, id_type, ids in (("id,prompt\n007,Hi\n8,Yo\n", pa.string(), ["007", "8"]),
+                               ("id,prompt\n1.5,Hi\n2,Yo\n", pa.string(), ["1.5", "2"]),
+                               ("id,prompt\n7,Hi\n-12,Yo\n", pa.int64(), [7, -12])):
+        f.write_text(text, encoding="utf-8")
+        rows, got = read_rows(spec(path=str(f), id_column="id"))
+        assert (got, [r.id for r in rows]) == (id_type, ids), text
+    f.write_text("id,prompt\n007,Hi\n7,Yo\n", encoding="utf-8")
+    assert [r.id for r in read_rows(spec(path=str(f), id_column="id"))[0]] == ["007", "7"]  # two ids, not one
 
 
 # --- one error line, library log records once -----------------------------------------------------------
