@@ -242,6 +242,32 @@ def test_requests_are_pulled_only_when_a_slot_is_free(llama):
     assert seen == len(pulled) == len(PROMPTS)
 
 
+def test_a_rows_ttft_starts_at_its_own_prefill(llama):
+    """Slots admitted together are prefilled one per step while the others decode: a row's ttft_s and total_s
+    count from its own prefill, not from when it took its slot (the wait for the others' prefills), so neither
+    exceeds the time from its prefill's start to the run's end (times read around the call, no timed bound)."""
+    import time
+
+    engine = engine_for(llama, context=1024)
+    be = BatchEngine(engine, 4, 512)
+    starts: dict[int, float] = {}
+    prefill = be._prefill
+
+    def spy(group, g):  # calls through: records when each request's prefill began
+        now = time.perf_counter()
+        for d in group:
+            starts[d.tag] = now
+        return prefill(group, g)
+
+    be._prefill = spy
+    requests = [Request(i, p, GenerateParams(max_tokens=2)) for i, p in enumerate(prompts_of([400] * 4, seed=5))]
+    out = run_all(be, requests)
+    end = time.perf_counter()
+    assert sorted(starts) == [0, 1, 2, 3]
+    for tag, g in out.items():
+        assert 0 < g.ttft_s <= g.total_s <= end - starts[tag], (tag, g.ttft_s, g.total_s, end - starts[tag])
+
+
 def test_second_run_and_first_token_finishes(llama):
     engine = engine_for(llama)
     first = engine.generate(PROMPTS[0], GenerateParams(max_tokens=1)).token_ids[0]

@@ -197,3 +197,33 @@ def test_the_gpu_memory_is_read_from_metal_and_cuda_device_info(info, monkeypatc
     assert not loader.should_dequantize(None, mx.float16, batch_size=64)
     monkeypatch.setattr(mx, "device_info", lambda: {})
     assert batch.device_memory() is None and batch.memory_limit()[1] == "the machine's memory"
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_total_s_counts_building_the_rows_prompt(tmp_path, monkeypatch, batch_size):
+    """README: total_s is the row's seconds, prompt building included. Building each prompt is made slow here
+    (a spy on build_prompt that calls through, then waits 0.3 s): every row's first sample counts it, in
+    sequential and batched mode."""
+    import time
+
+    from pipeline.run import plan
+
+    build = plan.build_prompt
+
+    def slow(*args, **kwargs):
+        out = build(*args, **kwargs)
+        time.sleep(0.3)
+        return out
+
+    monkeypatch.setattr(plan, "build_prompt", slow)
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path / "home"))  # the tiny model's hash cache
+    model = write_tiny_model(tmp_path / "tiny")
+    data = write_prompts(tmp_path / "in.parquet", 3)
+    job = job_from_dict({"model": str(model), "input": {"path": str(data), "id_column": "id"},
+                         "generation": {"max_tokens": 2, "n": 2, "seed": 1, "temperature": 0.5},
+                         "engine": {"batch_size": batch_size}, "output": {"dir": str(tmp_path / "out")}})
+    run_job(job, progress=False, echo=lambda _: None)
+    rows = [r for s in sorted((tmp_path / "out").glob("part-*.parquet")) for r in pq.read_table(s).to_pylist()]
+    firsts = [r for r in rows if r["sample_index"] == 0]
+    assert len(firsts) == 3 and all(r["error"] is None and r["total_s"] >= 0.3 for r in firsts), \
+        [(r["id"], r["total_s"]) for r in firsts]

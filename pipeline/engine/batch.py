@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
@@ -478,6 +479,9 @@ class BatchEngine:
         Padding goes after a prompt, so under the causal mask no real position sees it; the keys and values
         it leaves after the prompt are never copied into a slot."""
         eng = self.engine
+        t0 = time.perf_counter()
+        for d in group:  # ttft_s / total_s of its own: not the time it waited for a slot or for others' prefills
+            d.t0 = t0
         if g is None:
             d = group[0]
             logits, d.cached = eng.prefill_prompt(d.prompt_ids)

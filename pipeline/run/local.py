@@ -86,11 +86,12 @@ def sample_result(s: Sample, g, total_s: float, batch_size: int = 1) -> Result:
 
 
 def generate_row(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int = 0,
-                 gen: GenerationSpec | str | None = None, prompt: Prompt | RowError | None = None) -> Result:
+                 gen: GenerationSpec | str | None = None, prompt: Prompt | RowError | None = None,
+                 t0: float | None = None) -> Result:
     """Generate one sample of one row alone (sequential mode); failures become a ``Result`` with
     ``error`` set. Arguments as ``prepare_sample``."""
-    t0 = time.perf_counter()
-    s = prepare_sample(lm, job, row, sample_index, gen, prompt)
+    t0 = time.perf_counter() if t0 is None else t0
+    s = prepare_sample(lm, job, row, sample_index, gen, prompt, t0)
     if s.failed is not None:
         return s.failed
     try:
@@ -208,9 +209,10 @@ def generate_samples(lm: LoadedModel, job: JobSpec, samples, record: Callable[[R
             warm_up(None)
             warm_up = None
         try:
+            t0 = time.perf_counter()  # the row's first sample: total_s counts building its prompt
             if prompt_of[0] != row.index:
                 prompt_of = (row.index, row_prompt(row, job, lm))
-            res = generate_row(lm, job, row, k, gen, prompt_of[1])
+            res = generate_row(lm, job, row, k, gen, prompt_of[1], t0)
         except Exception as e:  # not a RowError (generate_row keeps those): stop the run
             raise GenerationError.of(e, [(row.id, k)]) from e
         record(res)
@@ -329,9 +331,10 @@ def _prepared(lm: LoadedModel, job: JobSpec, samples):
     prompt_of = (None, None)  # (row index, its Prompt or RowError)
     for row, k, gen in samples:
         try:
+            t0 = time.perf_counter()  # the row's first sample: total_s counts building its prompt
             if prompt_of[0] != row.index:
                 prompt_of = (row.index, row_prompt(row, job, lm))
-            s = prepare_sample(lm, job, row, k, gen, prompt_of[1])
+            s = prepare_sample(lm, job, row, k, gen, prompt_of[1], t0)
         except Exception as e:  # not a RowError (prepare_sample keeps those): stop the run
             raise GenerationError.of(e, [(row.id, k)]) from e
         yield s

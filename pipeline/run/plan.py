@@ -257,7 +257,8 @@ class Sample:
         ids: prompt token ids, cut to the context per ``input.truncate`` (None if failed).
         params: the engine's settings (None if failed).
         failed: the failed ``Result`` when the row cannot be generated (bad overrides, bad prompt).
-        prep_s: seconds spent building the prompt (added to the row's ``total_s``).
+        prep_s: seconds spent building the prompt and the settings (added to the row's ``total_s``; the
+            row's first sample counts the prompt's building, which its other samples share).
     """
 
     row: InputRow
@@ -271,7 +272,8 @@ class Sample:
 
 
 def prepare_sample(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: int = 0,
-                   gen: GenerationSpec | str | None = None, prompt: Prompt | RowError | None = None) -> Sample:
+                   gen: GenerationSpec | str | None = None, prompt: Prompt | RowError | None = None,
+                   t0: float | None = None) -> Sample:
     """Settings, seed and prompt ids of one sample; a ``Sample`` with ``failed`` set when the row's
     overrides or prompt are invalid.
 
@@ -279,8 +281,10 @@ def prepare_sample(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: i
         gen: the row's settings from ``row_generation`` (computed when None).
         prompt: the row's built prompt, or the ``RowError`` building it raised (built when None), so
             the samples of one row share it.
+        t0: when the sample's time starts (``time.perf_counter()``; None: now): before building ``prompt``
+            for the first sample of a row, so that its ``total_s`` counts that too.
     """
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     gen = row_generation(job, row) if gen is None else gen
     seed = row_seed(job.generation.seed if isinstance(gen, str) else gen.seed, row.id, sample_index)
     s = Sample(row, sample_index, seed, row.prompt if row.messages is None else None)
