@@ -177,3 +177,11 @@ def test_quantized_start_inside_generation_falls_back_once(gemma3, caplog):
 def test_compile_off(gemma3):
     g = Engine(gemma3, [], 512, compile=False).generate([3, 4, 5], GenerateParams(max_tokens=5))
     assert not g.compiled
+
+
+def test_one_token_reports_the_engines_decode_path(gemma3):
+    """max_tokens 1 runs no decode step: the row reports the path a decode would have taken, the engine's
+    compile setting (it said eager on a compiled engine, which README reserves for fallbacks and compile off)."""
+    p = GenerateParams(max_tokens=1)
+    assert Engine(gemma3, [], 512, compile=True).generate([3, 4, 5], p).compiled
+    assert not Engine(gemma3, [], 512, compile=False).generate([3, 4, 5], p).compiled

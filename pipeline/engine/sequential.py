@@ -449,4 +449,6 @@ class Engine:
         if fused:  # the fused step wrote n_steps slots of every cache in place
             for c in self.cache:
                 c.offset += n_steps
-        return req.finish(done, compiled=finish_compiled is not None, fused=fused)
+        # max_tokens 1 runs no decode step: it reports the path a decode would have taken (the engine's setting)
+        compiled = finish_compiled is not None if decodes else bool(self.compile) and self.fused is None
+        return req.finish(done, compiled=compiled, fused=fused)
