@@ -520,8 +520,12 @@ class RaySpec:
     def check(self):
         """Raises: JobSpecError: every value out of range."""
         bad = _Problems()
-        if self.address is not None and not self.address.strip():
-            bad.append("ray.address must be null, auto, local, HOST:PORT or ray://HOST:PORT, got ''")
+        if self.address is not None and self.address not in ("auto", "local"):
+            host, sep, port = self.address.split("://", 1)[-1].rstrip("/").rpartition(":")
+            if not (sep and host.strip("[]") and port.isdigit()) or self.address.split("://", 1)[0] not in (
+                    self.address, "ray"):  # Ray raises "Invalid address format" on a host without its port
+                bad.append(f"ray.address must be null, auto, local, HOST:PORT or ray://HOST:PORT, got "
+                           f"{self.address!r}")
         if self.actors is not None and self.actors < 1:
             bad.append(f"ray.actors must be >= 1, got {self.actors}")
         if self.unit_rows is not None and self.unit_rows < 1:

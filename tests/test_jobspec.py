@@ -587,3 +587,18 @@ def test_a_null_inside_a_list_is_said_as_null():
     with pytest.raises(JobSpecError) as e:
         with_overrides(GenerationSpec(), {"stop": ["a", None]})
     assert str(e.value) == "input column 'stop'[1] must be str, got null"
+
+
+@pytest.mark.parametrize("address, ok", [("localhost", False), ("10.0.0.1", False), ("ray://h", False),
+                                         ("http://h:1", False), ("h:abc", False), ("", False),
+                                         ("localhost:6379", True), ("ray://h:10001", True), ("[::1]:6379", True),
+                                         ("auto", True), ("local", True)])
+def test_a_ray_address_without_its_port_is_a_job_error(address, ok):
+    """ray.init raises "Invalid address format" (a traceback) on a host without a port: refused up front."""
+    job = minimal(executor="ray", ray={"address": address})
+    if ok:
+        assert job_from_dict(job).ray.address == address
+    else:
+        with pytest.raises(JobSpecError) as e:
+            job_from_dict(job)
+        assert str(e.value) == f"ray.address must be null, auto, local, HOST:PORT or ray://HOST:PORT, got {address!r}"
