@@ -10,7 +10,8 @@ import pyarrow.compute as pc
 from .inputs import InputError, read_rows
 from .jobspec import JobSpecError, job_from_dict
 from .run.plan import plan_samples
-from .shards import check_shards, diff_fields, key_column, read_committed, read_consistent, read_shard
+from .shards import (OutputError, check_shards, diff_fields, key_column, read_committed, read_consistent,
+                     read_shard)
 
 _COLUMNS = ["id", "sample_index", "error", "completion_tokens", "total_s", "decode_tps"]
 
@@ -29,7 +30,8 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         decode tok/s), ``generation_s`` (wall seconds the runs that recorded their end spent generating),
         ``throughput_tps`` (the completion tokens of those runs / generation_s), ``runs_unrecorded`` (runs
         that ended without recording it, e.g. killed: their rows are committed, their time is unknown,
-        so neither counts in ``throughput_tps``), ``eta_s`` (pending rows x wall seconds per row of
+        so neither counts in ``throughput_tps``; the last one while ``running``), ``running`` (the output
+        dir's lock is held: a run is going on, ``pid N on HOST, since T``, else None), ``eta_s`` (pending rows x wall seconds per row of
         those runs; without any, the mean of the committed rows' ``total_s``), ``runs``, ``complete``
         (no row pending; None, unknown, when the manifest records no job or its input cannot be read: the
         manifest's own flag covers only the last run's ``--limit``), ``shards``,
@@ -69,6 +71,7 @@ def job_status(out_dir: str | Path, *, verify: bool = False) -> dict:
         "generation_s": timed["seconds"],
         "runs": len(runs),
         "runs_unrecorded": len(runs) - timed["runs"],
+        "running": _running(out_dir),
         "complete": None,  # known with the pending rows: the manifest's flag covers only a run's --limit
         "shards": len(manifest["shards"]),
         **_settings(manifest),
@@ -245,6 +248,17 @@ def recorded_totals(runs: list[dict]) -> dict:
             "tokens_per_s": tokens / seconds if seconds > 0 else None}
 
 
+def _running(out_dir: Path) -> str | None:
+    """``pid N on HOST, since T`` of the run holding ``out_dir``'s lock (``outdir.check_not_in_use``), or None."""
+    from . import outdir
+
+    try:
+        outdir.check_not_in_use(out_dir)
+    except OutputError as e:
+        return str(e).split("in use by another run (", 1)[-1].rstrip(")")
+    return None
+
+
 def run_recorded(run: dict) -> bool:
     """Whether a run record has the end of its run: generation seconds, rows and tokens (a run killed
     with SIGKILL, or still going, has only its start)."""
@@ -292,14 +306,15 @@ def format_status(st: dict) -> str:
     tput = f"{st['throughput_tps']:.1f} tok/s" if st["throughput_tps"] else "n/a"
     mean = f"{st['mean_decode_tps']:.1f} tok/s" if st["mean_decode_tps"] else "n/a"
     state = completeness(st)
-    untimed = st.get("runs_unrecorded") or 0
-    unrecorded = f" ({untimed} run(s) ended unrecorded, e.g. killed: not counted)" if untimed else ""
+    untimed = (st.get("runs_unrecorded") or 0) - bool(st.get("running"))  # the run going on has no end yet
+    unrecorded = f" ({untimed} run(s) ended unrecorded, e.g. killed: not counted)" if untimed > 0 else ""
     settings = format_settings(st)
     verified = format_verified(st)
     gone = f"; {st['rows_not_in_input']} no longer in the job's selection of the input" \
         if st.get("rows_not_in_input") else ""
     return "\n".join([
-        f"{st['out_dir']}: {state}, {st['shards']} shard(s), {st['runs']} run(s)",
+        f"{st['out_dir']}: {state}, {st['shards']} shard(s), {st['runs']} run(s)"
+        + (f"; a run is going on ({st['running']})" if st.get("running") else ""),
         f"rows: {st['rows_done']} done ({st['rows_failed']} failed{gone}), {pending} pending",
         (f"tokens: {st['completion_tokens']} generated; {tput} over {_duration(st['generation_s'])} of generation"
          f"{unrecorded}; mean per-row decode {mean}"),

@@ -186,3 +186,23 @@ def test_a_run_whose_model_did_not_load_is_recorded_as_such(tiny, tmp_path):
     assert last["stopped"].startswith("the model did not load: ") and last["rows_written"] == 0
     st = job_status(out)
     assert (st["runs"], st["runs_unrecorded"]) == (2, 0) and "unrecorded" not in format_status(st)
+
+
+def test_a_run_going_on_is_said_so_not_counted_as_killed(tiny, tmp_path):
+    """While a run holds the output dir's lock its record has only its start: status says a run is going on
+    (naming it) and does not call that run ended unrecorded; once the lock is free the same record is one."""
+    from pipeline import outdir
+
+    spec = job(tiny, tmp_path)
+    out = tmp_path / "out"
+    run_job(spec, limit=2, progress=False, echo=lambda _: None)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["runs"].append({"started": "2026-12-07T00:00:00Z", "rows_pending": 4})  # a run that has just begun
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with outdir.RunLock(out) as lock:
+        st = job_status(out)
+        assert st["running"] == f"pid {lock.holder['pid']} on {lock.holder['host']}, since {lock.holder['started']}"
+        text = format_status(st)
+        assert f"; a run is going on ({st['running']})" in text.splitlines()[0] and "unrecorded" not in text
+    st = job_status(out)
+    assert st["running"] is None and "(1 run(s) ended unrecorded, e.g. killed: not counted)" in format_status(st)
