@@ -34,7 +34,7 @@ import llguidance.numpy as llnp
 import numpy as np
 import yaml
 
-from pipeline.bench.throughput import file_prompts
+from pipeline.bench.throughput import file_prompts, file_rows
 from pipeline.engine import BatchEngine, GenerateParams, Request
 from pipeline.engine import structured as st
 from pipeline.engine.structured import StructuredOutputsParams, ll_tokenizer
@@ -99,7 +99,7 @@ def main():
     args = ap.parse_args()
     schema = yaml.safe_load((ROOT / "jobs/bench_structured.yaml").read_text())["generation"]["structured"]["json"]
     lm = pipeline.load_model(batch_size=max(int(b) for b in args.batch_sizes.split(",")))
-    prompts = file_prompts(ROOT / "data_samples/real_prompts_1024.parquet", "prompt", lm.tokenizer, args.rows)
+    prompts = file_prompts(*file_rows(ROOT / "data_samples/real_prompts_1024.parquet", "prompt", args.rows), lm.tokenizer)
     structured = StructuredOutputsParams(json=schema)
     variants = args.json_variants.split(",")
     json_names = ["json" if v == "default" else f"json-{v}" for v in variants]
