@@ -680,6 +680,22 @@ def _unknown_keys(data: dict, known, where: str) -> list[str]:
     return problems
 
 
+def _judged_default(problem: str, failed: list[str], where: str) -> bool:
+    """Whether ``check()``'s ``problem`` judged the default put in place of a field of ``failed`` (a value of the
+    wrong type, or missing), so it is false or said already: it names the field's dotted path
+    (``input.dataset.name must be a non-empty string`` after a missing name), or asks to set it
+    (``input: set path ... or dataset`` after a dataset of the wrong type; ``set exactly one of equals or one_of``
+    after a bad ``equals``). A problem that merely mentions the word (``one_of must not be empty`` beside a bad
+    ``column``) is kept."""
+    for name in failed:
+        path = f"{where}.{name}" if where else name
+        if "." in path and re.search(rf"(?<![\w.]){re.escape(path)}(?![\w])", problem):  # a dotted path, not a word
+            return True
+        if re.search(rf"\bset\b.*\b{re.escape(name)}\b", problem.split(": ", 1)[-1]):
+            return True
+    return False
+
+
 def _build(cls, data, where: str):
     """The dataclass ``cls`` from mapping ``data`` (at key path ``where``).
 
@@ -716,10 +732,7 @@ def _build(cls, data, where: str):
         try:
             obj.check()
         except JobSpecError as e:
-            # a check naming a failed field judged its default ("set exactly one of equals or one_of" after
-            # a bad equals): said already, and false
-            named = re.compile(r"\b(?:%s)\b" % "|".join(map(re.escape, failed))) if failed else None
-            problems += [p for p in e.problems if named is None or not named.search(p)]
+            problems += [p for p in e.problems if not _judged_default(p, failed, where)]
     problems.raise_any()
     return obj
 

@@ -332,6 +332,23 @@ def test_a_bad_key_is_said_once_not_again_by_a_check_of_its_default(inp, problem
     assert e.value.problems == problems
 
 
+@pytest.mark.parametrize("extra, kept", [
+    ({"input": {"path": "x", "filter": {"column": 5, "one_of": []}}}, "input.filter on column None: one_of must not be empty"),
+    ({"input": {"path": "x", "filter": {}}}, "input.filter on column None: set exactly one of equals or one_of"),
+    ({"input": {"path": "x"}, "generation": {"max_tokens": "x", "min_tokens": -1}},
+     "generation.min_tokens must be >= 0 and <= max_tokens (128), got -1"),
+    ({"input": {"path": "x"}, "executor": "rays", "ray": {"actors": 0}}, "executor must be local or ray, got 'rays'"),
+    ({"input": {"path": "x", "filter": 5, "template": "{{ q | nosuchfilter }}"}},
+     "input.template does not compile: No filter named 'nosuchfilter'. (line 1)"),
+])
+def test_a_problem_that_only_mentions_a_bad_keys_name_is_kept(extra, kept):
+    """Only a check that names a bad key's dotted path or asks to set it is left out; one that merely uses its
+    name as a word is a problem of its own."""
+    with pytest.raises(JobSpecError) as e:
+        job_from_dict({"output": {"dir": "o"}, **extra})
+    assert kept in e.value.problems
+
+
 def test_an_integer_beyond_float64_is_one_problem_not_a_traceback():
     with pytest.raises(JobSpecError) as e:
         job_from_dict({"input": {"path": "x"}, "output": {"dir": "o", "flush_seconds": 10**400},
