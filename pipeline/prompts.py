@@ -97,9 +97,10 @@ class _Marker:
         return self.pattern.sub(self._sub, text) if self.active else text
 
     def encode(self, text: str) -> list[int]:
-        """Ids of a text built from marked strings: the template's own special tokens as their ids, and each
-        stretch of text between them, placeholders back to their original text, encoded as plain text in one
-        piece, as Hugging Face ``tokenizers`` splits a text at special tokens only (so ``"a <|im_end|> b"``
+        """Ids of a text built from marked strings. The template's text is encoded with special tokens parsed,
+        in one piece between placeholders (as a rendered template is encoded); a placeholder's original text is
+        encoded as plain text together with the plain text around it up to the template's nearest special
+        tokens, as Hugging Face ``tokenizers`` splits a text at special tokens only (so ``"a <|im_end|> b"``
         merges " <" as the plain text does).
 
         Raises:
@@ -112,23 +113,34 @@ class _Marker:
             raise RowError("the chat template cut up special-token text in the messages "
                            "(set input.parse_special_tokens: true to encode the rendered text as it is)")
         ids: list[int] = []
-        run: list[str] = []  # plain text since the last special token of the template
+        run: list[str] = []  # plain text around placeholders, up to the template's special tokens
 
         def flush():
             if run:
                 ids.extend(self.tokenizer.encode("".join(run), parse_special=False))
                 run.clear()
 
+        last = len(pieces) - 1
         for i, piece in enumerate(pieces):
             if i % 2:
                 run.append(self.originals[int(piece)])
                 continue
-            for j, part in enumerate(re.split(f"({self.pattern.pattern})", piece)):
-                if j % 2:  # the template's own markup
-                    flush()
-                    ids += self.tokenizer.encode(part, parse_special=True)
-                elif part:
-                    run.append(part)
+            before, after = i > 0, i < last  # a placeholder next to this piece of the template
+            parts = re.split(f"({self.pattern.pattern})", piece)  # odd: the template's special tokens
+            if len(parts) == 1:  # no special token: plain text next to a placeholder (or the whole text)
+                if before or after:
+                    run.append(piece)
+                elif piece:
+                    ids += self.tokenizer.encode(piece, parse_special=True)
+                continue
+            head, middle, tail = parts[0], "".join(parts[1:-1]), parts[-1]
+            if before:
+                run.append(head)
+            flush()
+            ids += self.tokenizer.encode(("" if before else head) + middle + ("" if after else tail),
+                                         parse_special=True)
+            if after:
+                run.append(tail)
         flush()
         return ids
 

@@ -321,3 +321,27 @@ def test_special_token_text_is_encoded_as_the_plain_text_around_it(tok):
         user = [i for i, t in enumerate(ids) if t == IM_START][1]  # after the template's system turn
         end = ids.index(IM_END, user)
         assert ids[user + 1:end] == hf.encode("user\n" + content, add_special_tokens=False).ids, content
+
+
+def test_the_templates_text_stays_one_piece_beside_special_token_text(tok):
+    """Only the plain text around the data's special-token text is encoded apart: the template's markup between
+    placeholders is one piece, as a rendered template is encoded, so an added token that strips the
+    whitespace after it (rstrip, as Phi-3's) ends a turn the same with or without special-token text in the
+    row (encoded piece by piece at every special token, a "\\n" after each <|im_end|> was no longer absorbed)."""
+    import json
+
+    import tokenizers
+
+    spec = json.loads(tok.to_str())
+    for t in spec["added_tokens"]:
+        if t["content"] == "<|im_end|>":
+            t["rstrip"] = True
+    stripping = Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec)), bos_token_id=None,
+                          eos_token_ids=tok.eos_token_ids, add_bos_token=False, chat_template=tok.chat_template)
+
+    def after_user_turn(content):
+        ids = build_prompt(row(content), InputSpec(path="x"), stripping).token_ids
+        user = [i for i, t in enumerate(ids) if t == IM_START][1]
+        return ids[ids.index(IM_END, user):]
+
+    assert after_user_turn("hello <|endoftext|> there") == after_user_turn("hello there")
