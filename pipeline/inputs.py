@@ -601,24 +601,31 @@ def _has_json(t: pa.DataType) -> bool:
     return False
 
 
-def _raw_json_rows(files: list[Path]) -> list | None:
-    """The records of JSON files as Python's ``json`` reads them, in order: JSON Lines (blank lines skipped) or
-    one array of objects per file; None when a file is neither."""
-    rows = []
+def _raw_json_rows(files: list[Path], need: int) -> list | None:
+    """The first ``need`` records of JSON files as Python's ``json`` reads them, in order: JSON Lines (blank lines
+    skipped; read line by line, stopping once ``need`` are read) or one array of objects per file; None when a
+    file is neither."""
+    rows: list = []
     for f in files:
+        if len(rows) >= need:
+            break
         try:
-            text = f.read_text(encoding="utf-8")
-        except (OSError, ValueError):
-            return None
-        try:
-            part = [json.loads(line) for line in text.splitlines() if line.strip()]
+            with open(f, encoding="utf-8") as fh:  # lines end at "\n" (and "\r"), not at U+2028 inside a string
+                part = []
+                for line in fh:
+                    if line.strip():
+                        part.append(json.loads(line))
+                        if len(rows) + len(part) >= need:
+                            break
             if len(part) == 1 and isinstance(part[0], list):
                 part = part[0]
-        except ValueError:  # not JSON Lines: one array
+        except ValueError:  # not JSON Lines (a pretty-printed array): the whole file, one array
             try:
-                part = json.loads(text)
-            except ValueError:
+                part = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
                 return None
+        except OSError:
+            return None
         if not isinstance(part, list) or not all(isinstance(r, dict) for r in part):
             return None
         rows += part
@@ -637,7 +644,7 @@ def _exact_json_columns(table: pa.Table, files: list[Path], id_column: str | Non
     names = [n for n, t in zip(table.column_names, table.schema.types) if _has_json(t)]
     if not names:
         return table
-    rows = _raw_json_rows(files)
+    rows = _raw_json_rows(files, table.num_rows)
     if rows is None or len(rows) < table.num_rows:
         return table
     rows = rows[:table.num_rows]  # read with stop_after: the first rows

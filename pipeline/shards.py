@@ -37,6 +37,7 @@ import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import tempfile
@@ -57,6 +58,8 @@ _UNIT_NAME = re.compile(r"unit-\d{5,}\.parquet")
 _MAGIC = b"PAR1"  # a Parquet file starts and ends with it (the footer's length comes just before the end)
 REDO = "pipeline run JOB --redo-corrupt"
 MISSING = "is missing"
+
+log = logging.getLogger(__name__)
 
 
 class OutputError(RuntimeError):
@@ -145,8 +148,9 @@ def atomic_write(path: Path, write) -> None:
     Raises:
         DiskFullError: no space or quota left before the rename; ``path`` is as it was, the temporary file
             removed.
-        OutputWriteError: any other ``OSError`` (a read-only remount, the directory removed, an I/O error),
-            before the rename (as above) or at the directory's fsync after it.
+        OutputWriteError: any other ``OSError`` (a read-only remount, the directory removed, an I/O error)
+            before the rename (as above). A failing fsync of the directory after the rename is logged, not
+            raised: the new file is in place, and callers undo a commit on an ``OutputWriteError``.
     """
     tmp = None
     try:
@@ -166,8 +170,9 @@ def atomic_write(path: Path, write) -> None:
         raise
     try:
         _fsync_dir(path.parent)
-    except OSError as e:
-        raise write_error(e, path.parent, path.name) from None
+    except OSError as e:  # renamed already: ``path`` is the new file; the caller must not undo its commit
+        log.warning("%s: written, but the directory's fsync failed (%s): the rename may not survive a power loss",
+                    path, e.strerror or e)
 
 
 def diff_fields(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -267,3 +267,16 @@ def test_cli_library_log_records_print_once(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == ["from datasets", "from the hub", "WARNING: from us"]
+
+
+def test_mixed_json_values_are_reread_only_as_far_as_the_rows_read(tmp_path):
+    """`--limit` reads the first rows of a JSON Lines file; re-reading its mixed columns stops there too (the
+    rest of a large file is not parsed: here it is not even JSON)."""
+    from pipeline.inputs import _raw_json_rows
+
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"p": "5"}\n{"p": 5}\nnot json at all\n', encoding="utf-8")
+    assert _raw_json_rows([f], 2) == [{"p": "5"}, {"p": 5}]
+    assert _raw_json_rows([f], 3) is None
+    (tmp_path / "arr.json").write_text('[\n {"p": "5"},\n {"p": 5}\n]\n', encoding="utf-8")  # one array
+    assert _raw_json_rows([tmp_path / "arr.json"], 1) == [{"p": "5"}, {"p": 5}]
