@@ -68,9 +68,15 @@ _FORMAT_NAMES = {"parquet": "Parquet", "json": "JSON", "csv": "CSV"}
 _BATCH_ROWS = 1024  # rows per batch when streaming through datasets
 
 
+def _hidden(f: Path, top: Path) -> bool:
+    """A name of ``f`` below directory ``top`` starts with a dot (``.cache/x.jsonl``, ``.notes.csv``): a glob's
+    wildcards skip such names, and so does a directory's search."""
+    return any(name.startswith(".") for name in f.relative_to(top).parts)
+
+
 def input_files(path: str) -> list[Path]:
     """Input files named by ``path`` (file, directory searched recursively for .parquet, .jsonl, .json
-    and .csv files, or glob), sorted.
+    and .csv files, names starting with a dot skipped, or glob), sorted.
 
     Raises:
         InputError: nothing matches.
@@ -79,7 +85,7 @@ def input_files(path: str) -> list[Path]:
     if p.is_file():
         return [p]
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in FORMATS)
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in FORMATS and not _hidden(f, p))
     else:
         files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
     if not files:

@@ -97,6 +97,20 @@ def test_mixed_formats_are_an_error(tmp_path):
         read_rows(spec(path=str(tmp_path / "d")))
 
 
+def test_directory_skips_hidden_files_and_directories_as_its_glob_does(tmp_path):
+    """A directory's search skips names starting with a dot below it, as ``**`` in a glob does: an editor's or
+    a notebook's copies (``.ipynb_checkpoints/``) are not input rows."""
+    d = tmp_path / "data"
+    write_jsonl(d / "a.jsonl", [{"prompt": "a"}])
+    write_jsonl(d / "sub" / "b.jsonl", [{"prompt": "b"}])
+    write_jsonl(d / ".hidden.jsonl", [{"prompt": "hidden"}])
+    write_jsonl(d / ".ipynb_checkpoints" / "a-checkpoint.jsonl", [{"prompt": "checkpoint"}])
+    write_jsonl(d / "sub" / ".cache" / "c.jsonl", [{"prompt": "cache"}])
+    for path in (str(d), str(d / "**" / "*.jsonl")):
+        got, _ = read_rows(spec(path=path))
+        assert [r.prompt for r in got] == ["a", "b"], path
+
+
 def test_malformed_jsonl_is_one_line(tmp_path):
     f = tmp_path / "in.jsonl"
     f.write_text('{"prompt": "a"}\n{"prompt": \n', encoding="utf-8")
