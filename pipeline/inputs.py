@@ -76,7 +76,7 @@ def _hidden(f: Path, top: Path) -> bool:
 
 def input_files(path: str) -> list[Path]:
     """Input files named by ``path`` (file, directory searched recursively for .parquet, .jsonl, .json
-    and .csv files, names starting with a dot skipped, or glob), sorted.
+    and .csv files, suffixes in any case, names starting with a dot skipped, or glob), sorted.
 
     Raises:
         InputError: nothing matches.
@@ -85,7 +85,7 @@ def input_files(path: str) -> list[Path]:
     if p.is_file():
         return [p]
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in FORMATS and not _hidden(f, p))
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in FORMATS and not _hidden(f, p))
     else:
         files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
     if not files:
@@ -93,17 +93,32 @@ def input_files(path: str) -> list[Path]:
     return files
 
 
-def input_format(path: str, files: list[Path]) -> str:
-    """"parquet", "json" or "csv" by the files' suffixes (other suffixes are read as Parquet).
+def input_format(where: str, files: list[Path]) -> str:
+    """"parquet", "json" or "csv" by the files' suffixes, in any case (other suffixes are read as Parquet, as
+    they always were: ``_read_parquet`` names the suffix of such a file that is not Parquet).
+
+    Args:
+        where: how messages name the input (``input.path 'data/*'``).
 
     Raises:
-        InputError: the files mix formats.
+        InputError: the files mix formats; with JSON or CSV files, naming a file of another suffix.
     """
-    kinds = {FORMATS.get(f.suffix, "parquet") for f in files}
+    kinds = {FORMATS.get(f.suffix.lower(), "parquet") for f in files}
     if len(kinds) > 1:
+        other = next((f for f in files if f.suffix.lower() not in FORMATS), None)
+        if other is not None:
+            raise InputError(f"{where}: {other}: {_unknown_suffix(other)}")
         names = ", ".join(sorted(_FORMAT_NAMES[k] for k in kinds))
-        raise InputError(f"input.path {path!r}: files mix formats ({names}); use one format")
+        raise InputError(f"{where}: files mix formats ({names}); use one format")
     return kinds.pop()
+
+
+def _unknown_suffix(f: Path) -> str:
+    """``suffix '.gz' is none of the formats read (.parquet, .jsonl, .json, .csv)``: of a file ``f`` whose suffix
+    names no format (a compressed file is not read)."""
+    formats = ", ".join(FORMATS)
+    return f"suffix {f.suffix!r} is none of the formats read ({formats})" if f.suffix else \
+        f"no suffix naming one of the formats read ({formats})"
 
 
 def _is_string(t: pa.DataType) -> bool:
@@ -271,7 +286,10 @@ def _read_parquet(spec: InputSpec, files: list[Path], pick, stop_after: int | No
         try:
             schemas.append(pq.read_schema(f))
         except (OSError, pa.ArrowException) as e:
-            raise InputError(f"input file {f}: not readable as Parquet: {e}") from None
+            if f.suffix.lower() in FORMATS:
+                raise InputError(f"input file {f}: not readable as Parquet: {e}") from None
+            raise InputError(f"input file {f}: {_unknown_suffix(f)}, and it is not readable as Parquet: "
+                             f"{_first_line(e)}") from None
     keys = pick(list(dict.fromkeys(name for schema in schemas for name in schema.names)))
     tables, n = [], 0
     for f, schema in zip(files, schemas):
@@ -546,7 +564,7 @@ def _read(spec: InputSpec, pick, stop_after: int | None) -> pa.Table:
             raise _no_rows(spec)
     else:
         files = input_files(spec.path)
-        fmt = input_format(spec.path, files)
+        fmt = input_format(f"input.path {spec.path!r}", files)
         if fmt == "parquet":
             return _read_parquet(spec, files, pick, stop_after)
         table, where = _read_files(spec, files, fmt, stop_after, pick), "input"

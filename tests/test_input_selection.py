@@ -111,6 +111,53 @@ def test_directory_skips_hidden_files_and_directories_as_its_glob_does(tmp_path)
         assert [r.prompt for r in got] == ["a", "b"], path
 
 
+def test_suffixes_are_read_in_any_case(tmp_path):
+    d = tmp_path / "data"
+    write_jsonl(d / "A.JSONL", [{"prompt": "a"}])
+    write_jsonl(d / "b.Jsonl", [{"prompt": "b"}])
+    for path in (str(d), str(d / "A.JSONL")):
+        got, _ = read_rows(spec(path=path))
+        assert [r.prompt for r in got] == (["a", "b"] if path == str(d) else ["a"]), path
+    (tmp_path / "C.CSV").write_text("id,prompt\n1,NA\n", encoding="utf-8")
+    got, _ = read_rows(spec(path=str(tmp_path / "C.CSV"), id_column="id"))
+    assert [(r.id, r.prompt) for r in got] == [(1, "NA")]
+    pq.write_table(pa.table({"prompt": ["p"]}), tmp_path / "D.PARQUET")
+    assert [r.prompt for r in read_rows(spec(path=str(tmp_path / "D.PARQUET")))[0]] == ["p"]
+
+
+def test_a_file_of_another_suffix_is_named_with_its_suffix(tmp_path):
+    """A suffix that names no format read (a compressed file, a README a glob catches) is said as such, not as
+    a file that is not Parquet, or as JSON mixed with Parquet; a file without a suffix is still read as Parquet."""
+    import gzip
+
+    d = tmp_path / "d"
+    write_jsonl(d / "a.jsonl", [{"prompt": "a"}])
+    with gzip.open(d / "c.jsonl.gz", "wt") as fh:
+        fh.write('{"prompt": "c"}\n')
+    with pytest.raises(InputError) as ei:
+        read_rows(spec(path=str(d / "*")))
+    assert str(ei.value) == (f"input.path {str(d / '*')!r}: {d / 'c.jsonl.gz'}: suffix '.gz' is none of the formats "
+                             "read (.parquet, .jsonl, .json, .csv)")
+    with pytest.raises(InputError) as ei:
+        read_rows(spec(path=str(d / "c.jsonl.gz")))
+    assert str(ei.value).startswith(f"input file {d / 'c.jsonl.gz'}: suffix '.gz' is none of the formats read "
+                                    "(.parquet, .jsonl, .json, .csv), and it is not readable as Parquet: ")
+    assert "\n" not in str(ei.value)
+    e = tmp_path / "e"
+    e.mkdir()
+    pq.write_table(pa.table({"prompt": ["p"]}), e / "x.parquet")
+    (e / "README.md").write_text("# about\n")
+    with pytest.raises(InputError, match=r"^input file .*README.md: suffix '.md' is none of the formats read "
+                                         r"\(.parquet, .jsonl, .json, .csv\), and it is not readable as Parquet: "):
+        read_rows(spec(path=str(e / "*")))
+    pq.write_table(pa.table({"prompt": ["q"]}), tmp_path / "nosuffix")
+    assert [r.prompt for r in read_rows(spec(path=str(tmp_path / "nosuffix")))[0]] == ["q"]
+    (tmp_path / "notes").write_text("not parquet")
+    with pytest.raises(InputError, match=r"^input file .*notes: no suffix naming one of the formats read "
+                                         r"\(.parquet, .jsonl, .json, .csv\), and it is not readable as Parquet: "):
+        read_rows(spec(path=str(tmp_path / "notes")))
+
+
 def test_malformed_jsonl_is_one_line(tmp_path):
     f = tmp_path / "in.jsonl"
     f.write_text('{"prompt": "a"}\n{"prompt": \n', encoding="utf-8")
