@@ -1,11 +1,12 @@
 """Input rows from Parquet (read with pyarrow), JSON Lines / JSON / CSV files or a hub dataset (read with
-``datasets`` in streaming mode), selected by filter, shuffle and limit, prompts built by an optional
-jinja2 template."""
+``datasets`` in streaming mode; a local dataset directory's files as those of a directory ``input.path``),
+selected by filter, shuffle and limit, prompts built by an optional jinja2 template."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import glob
 import hashlib
 import json
@@ -272,9 +273,13 @@ def _dataset_name(d: DatasetSpec) -> str:
     return f"input.dataset {d.name!r}" + (f" config {d.config!r}" if d.config else "") + f" split {d.split!r}"
 
 
+def _source(spec: InputSpec) -> str:
+    """How messages name the input: ``input.path 'data/*'``, or as ``_dataset_name``."""
+    return _dataset_name(spec.dataset) if spec.dataset is not None else f"input.path {spec.path!r}"
+
+
 def _no_rows(spec: InputSpec) -> InputError:
-    where = _dataset_name(spec.dataset) if spec.dataset is not None else f"input.path {spec.path!r}"
-    return InputError(f"{where}: no rows")
+    return InputError(f"{_source(spec)}: no rows")
 
 
 def _read_parquet(spec: InputSpec, files: list[Path], pick, stop_after: int | None) -> pa.Table:
@@ -304,7 +309,7 @@ def _read_parquet(spec: InputSpec, files: list[Path], pick, stop_after: int | No
     try:
         table = pa.concat_tables(tables, promote_options="permissive")
     except pa.ArrowException as e:
-        raise InputError(f"input.path {spec.path!r}: files have incompatible schemas: {e}") from None
+        raise InputError(f"{_source(spec)}: files have incompatible schemas: {e}") from None
     if table.num_rows == 0:
         raise _no_rows(spec)
     return table
@@ -425,7 +430,7 @@ def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | 
     import pandas as pd
     from datasets.table import CastError
 
-    what = f"input.path {spec.path!r} ({_FORMAT_NAMES[fmt]})"
+    what = f"{_source(spec)} ({_FORMAT_NAMES[fmt]})"
     files = [f for f in files if not _is_blank(f)]
     if not files:
         raise _no_rows(spec)
@@ -482,9 +487,51 @@ def _concat_files(spec: InputSpec, files: list[Path], tables: list[pa.Table | No
         try:
             out = t if out is None else pa.concat_tables([out, t], promote_options="permissive")
         except pa.ArrowException as e:
-            raise InputError(f"input.path {spec.path!r}: {f} does not fit the files before it: "
+            raise InputError(f"{_source(spec)}: {f} does not fit the files before it: "
                              f"{_first_line(e)}") from None
     return out
+
+
+def local_dataset(d: DatasetSpec | None) -> Path | None:
+    """The local directory ``input.dataset`` names (``datasets`` reads a directory of that name before a hub
+    repo), or None: no dataset, or a hub dataset."""
+    return Path(d.name) if d is not None and Path(d.name).is_dir() else None
+
+
+# The options of a local dataset's builder config that say where its files are, not how they are read.
+_WHERE_OPTIONS = {"name", "version", "data_dir", "data_files", "description"}
+
+
+def dataset_files(d: DatasetSpec) -> tuple[list[Path], str | None]:
+    """The data files of split ``d.split`` of local dataset directory ``d.name``, in the order ``datasets``
+    reads them (``datasets.load_dataset_builder``: its README's configs, else the files of the most common
+    suffix, split by name), and the format ``_read_files`` reads them as: "parquet", "json" or "csv", or None
+    when ``datasets`` would read them otherwise (another builder such as ``text`` or ``arrow``, a builder option
+    such as a README config's ``sep`` or ``features``, a suffix that names no format), so only ``datasets``
+    reads them as it would.
+
+    Raises:
+        InputError: the config or split is not one the directory has; one line.
+    """
+    import datasets
+
+    what = _dataset_name(d)
+    with _quiet_libraries():
+        try:
+            builder = datasets.load_dataset_builder(d.name, d.config)
+        except Exception as e:  # noqa: BLE001 - see _stream
+            raise InputError(f"{what}: cannot be loaded: {_first_line(e)}") from None
+    config = builder.config
+    split_files = dict(config.data_files or {})
+    if d.split not in split_files:
+        raise InputError(f"{what}: no such split (splits: {', '.join(map(str, split_files)) or 'none'})")
+    files = [Path(f) for f in split_files[d.split]]
+    default = type(config)()
+    options = {f.name for f in dataclasses.fields(config) if f.name not in _WHERE_OPTIONS
+               and getattr(config, f.name) != getattr(default, f.name)}
+    same = builder.name in _FORMAT_NAMES and not options and builder.info.features is None and \
+        all(FORMATS.get(f.suffix.lower()) == builder.name for f in files)
+    return files, builder.name if same else None
 
 
 def _read_hub(d: DatasetSpec, stop_after: int | None) -> pa.Table | None:
@@ -558,16 +605,21 @@ def _read(spec: InputSpec, pick, stop_after: int | None) -> pa.Table:
     Raises:
         InputError: as ``read_table``; an input with no rows.
     """
-    if spec.dataset is not None:
-        table, where = _read_hub(spec.dataset, stop_after), f"dataset {spec.dataset.name!r}"
+    files, fmt = None, None
+    if local_dataset(spec.dataset) is not None:  # read as input.path reads its files, when datasets would too
+        files, fmt = dataset_files(spec.dataset)
+    elif spec.dataset is None:
+        files = input_files(spec.path)
+        fmt = input_format(_source(spec), files)
+    where = "input" if spec.dataset is None else f"dataset {spec.dataset.name!r}"
+    if fmt is None:
+        table = _read_hub(spec.dataset, stop_after)
         if table is None:
             raise _no_rows(spec)
+    elif fmt == "parquet":
+        return _read_parquet(spec, files, pick, stop_after)
     else:
-        files = input_files(spec.path)
-        fmt = input_format(f"input.path {spec.path!r}", files)
-        if fmt == "parquet":
-            return _read_parquet(spec, files, pick, stop_after)
-        table, where = _read_files(spec, files, fmt, stop_after, pick), "input"
+        table = _read_files(spec, files, fmt, stop_after, pick)
         if fmt == "csv":
             table = _integral_ids(_csv_ids(_csv_nulls(spec, table), spec), spec)
     keys = pick(table.column_names)

@@ -320,6 +320,44 @@ def test_hub_dataset_unreachable_is_one_error_line_without_the_librarys_retries(
     assert not (tmp_path / "out").exists()
 
 
+def test_local_dataset_directory_reads_as_input_path_does(tmp_path):
+    """A local ``input.dataset`` directory's split is read from the files ``datasets`` picks for it, in its order,
+    by the reader ``input.path`` uses: a JSON string "5" stays a string beside a number, a CSV prompt "NA" stays
+    text and an id 007 keeps its text (``datasets.load_dataset`` on the directory reads 5, null and 7)."""
+    import datasets
+
+    j = tmp_path / "jds"
+    write_jsonl(j / "train.jsonl", [{"id": 1, "prompt": "Hi"}, {"id": 2, "prompt": "5"}, {"id": 3, "prompt": 5},
+                                    {"id": 4, "prompt": "true"}, {"id": 5, "prompt": "null"}])
+    got, _ = read_rows(spec(dataset={"name": str(j)}, id_column="id"))
+    assert [(r.prompt, r.error) for r in got] == [
+        ("Hi", None), ("5", None),
+        (None, "input.prompt_column: column 'prompt' holds an integer (5), expected a string"), ("true", None),
+        ("null", None)]
+    assert got == read_rows(spec(path=str(j), id_column="id"))[0]
+    c = tmp_path / "cds"
+    (c / "data").mkdir(parents=True)
+    (c / "data" / "train.csv").write_text("id,prompt\n007,NA\n8,None\n9,null\n", encoding="utf-8")
+    (c / "data" / "test.csv").write_text("id,prompt\n1,N/A\n", encoding="utf-8")
+    got, id_type = read_rows(spec(dataset={"name": str(c)}, id_column="id"))
+    assert (id_type, [(r.id, r.prompt) for r in got]) == (pa.string(), [("007", "NA"), ("8", "None"), ("9", "null")])
+    assert got == read_rows(spec(path=str(c / "data" / "train.csv"), id_column="id"))[0]
+    got, _ = read_rows(spec(dataset={"name": str(c), "split": "test"}, id_column="id"))
+    assert [(r.id, r.prompt) for r in got] == [(1, "N/A")]
+    with pytest.raises(InputError) as ei:
+        read_rows(spec(dataset={"name": str(c), "split": "validation"}))
+    assert str(ei.value) == f"input.dataset {str(c)!r} split 'validation': no such split (splits: train, test)"
+    o = tmp_path / "ods"  # rows in the order datasets reads the files
+    write_jsonl(o / "x.jsonl", [{"prompt": "x0"}, {"prompt": "x1"}])
+    write_jsonl(o / "sub" / "y.jsonl", [{"prompt": "y0"}])
+    expected = [r["prompt"] for r in datasets.load_dataset(str(o), split="train", streaming=True)]
+    assert [r.prompt for r in read_rows(spec(dataset={"name": str(o)}))[0]] == expected
+    t = tmp_path / "tds"  # read by a builder option (sep) input.path has not: by datasets, as before
+    t.mkdir()
+    (t / "x.tsv").write_text("prompt\tn\nhi there\t1\n", encoding="utf-8")
+    assert [r.prompt for r in read_rows(spec(dataset={"name": str(t)}))[0]] == ["hi there"]
+
+
 def test_path_and_dataset_are_exclusive():
     with pytest.raises(JobSpecError, match="input: set path or dataset, not both"):
         spec(path="x.jsonl", dataset={"name": "a/b"})
