@@ -121,6 +121,33 @@ def test_positional_ids_refuse_an_input_whose_committed_rows_moved(tiny, tmp_pat
     assert manifest(tmp_path / "out") == before  # nothing generated or recorded
 
 
+def test_positional_ids_refuse_a_local_dataset_whose_committed_rows_moved(tiny, tmp_path):
+    """As above for a local input.dataset directory: its files' sizes and mtimes are recorded, as input.path's
+    are (only its name, config, split and revision were), so a changed file is noticed and checked."""
+    from pipeline.inputs import InputError
+    from pipeline.jobspec import job_from_dict
+    from pipeline.run import run_job
+
+    data = tmp_path / "ds"
+    data.mkdir()
+    f = data / "train.jsonl"
+    f.write_text('{"prompt": "alpha"}\n{"prompt": "beta"}\n', encoding="utf-8")
+    job = job_from_dict({"model": str(tiny), "input": {"dataset": {"name": str(data)}},
+                         "generation": {"max_tokens": 4}, "output": {"dir": str(tmp_path / "out")}})
+    run_job(job, progress=False, echo=lambda _m: None)
+    assert manifest(tmp_path / "out")["inputs"] == [{"path": str(f), "size": f.stat().st_size,
+                                                      "mtime_ns": f.stat().st_mtime_ns}]
+    before = manifest(tmp_path / "out")
+    f.write_text('{"prompt": "NEW"}\n{"prompt": "alpha"}\n{"prompt": "beta"}\n', encoding="utf-8")
+    with pytest.raises(InputError) as ei:
+        run_job(job, progress=False, echo=lambda _m: None)
+    assert str(ei.value) == (
+        "input.id_column is not set, so rows are keyed by their position, and the input changed since the last "
+        "run: row 0 is now 'NEW', its committed output was made from 'alpha'; set input.id_column, or use a new "
+        "output.dir (or --output-dir DIR)")
+    assert manifest(tmp_path / "out") == before
+
+
 def test_leftovers_of_a_crash_are_removed_and_reported(tiny, tmp_path):
     data = write_input(tmp_path / "in.parquet", PROMPTS)
     job = write_job(tmp_path, tiny, data)

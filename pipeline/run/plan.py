@@ -16,7 +16,7 @@ from .. import __version__, outdir, shards
 from ..engine import GenerateParams
 from ..engine.sampler import row_seed
 from ..errors import RowError
-from ..inputs import InputRow, input_files
+from ..inputs import InputRow, dataset_files, input_files, local_dataset
 from ..jobspec import GenerationSpec, JobSpec, JobSpecError, structured_from_cell, with_overrides
 from ..loader import LoadedModel, model_identity
 from ..prompts import Prompt, build_prompt
@@ -103,12 +103,17 @@ def _version(package: str) -> str:
 
 
 def input_state(job: JobSpec) -> list[dict]:
-    """Path, size (bytes) and mtime (ns) of each input file, recorded in the manifest to report changes
-    (a hub dataset: its name, config, split and revision)."""
-    if job.input.dataset is not None:
+    """Path, size (bytes) and mtime (ns) of each input file (a local dataset directory's: the files of its
+    split, ``inputs.dataset_files``), recorded in the manifest to report changes and, without
+    ``input.id_column``, to check the committed rows' positions (``control.check_positions``); a hub dataset:
+    its name, config, split and revision."""
+    if local_dataset(job.input.dataset) is not None:
+        files = dataset_files(job.input.dataset)[0]
+    elif job.input.dataset is not None:
         return [dataclasses.asdict(job.input.dataset)]
-    return [{"path": str(f), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
-            for f in input_files(job.input.path)]
+    else:
+        files = input_files(job.input.path)
+    return [{"path": str(f), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files]
 
 
 def recorded_job(job: JobSpec) -> dict:
