@@ -403,6 +403,32 @@ def test_an_output_dir_where_the_input_is_read_from_is_refused(tiny_model, promp
             assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.parametrize("out, refused", [("ds/out", True), ("ds", True), ("elsewhere/out", False)])
+def test_an_output_dir_inside_a_local_dataset_directory_is_refused(tiny_model, prompts, tmp_path, out, refused):
+    """``datasets`` picks a local dataset directory's files from all of it (the most common suffix): a later run
+    would read the shards as its input rows, as an input.path directory would. ``run`` and ``validate``
+    (``check_output_dir``) refuse it alike, before writing."""
+    from pipeline.jobspec import job_from_dict
+    from pipeline.run import run_job
+    from pipeline.run.plan import check_output_dir
+
+    (tmp_path / "ds").mkdir()
+    shutil.copy(prompts, tmp_path / "ds" / "train.parquet")
+    job = job_from_dict({"model": str(tiny_model), "input": {"dataset": {"name": str(tmp_path / "ds")},
+                                                             "id_column": "id", "limit": 2},
+                         "generation": {"max_tokens": 2}, "output": {"dir": str(tmp_path / out), "shard_size": 1}})
+    if not refused:
+        assert run_job(job, progress=False, echo=lambda _m: None).rows_total == 2
+        assert check_output_dir(job) is not None
+        return
+    for check in (check_output_dir, lambda j: run_job(j, progress=False, echo=lambda _m: None)):
+        with pytest.raises(OutputError) as ei:
+            check(job)
+        assert str(ei.value) == (f"output.dir '{tmp_path / out}' is inside what input.dataset '{tmp_path / 'ds'}' "
+                                 "reads: a later run would read its shards as input rows; write the output elsewhere")
+    assert not (tmp_path / out / "manifest.json").exists()
+
+
 def test_a_relative_input_path_is_recorded_for_readers_elsewhere(tiny_model, prompts, tmp_path):
     """status, export --join-input and report read the job's input from the manifest; a relative input.path
     was resolved against their own working directory (a wrong pending count, or null input columns)."""

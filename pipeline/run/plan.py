@@ -152,24 +152,32 @@ def _glob_matches(pattern: str, path: str) -> bool:
 
 
 def check_output_apart(job: JobSpec, out_dir: str | Path) -> None:
-    """The output dir must not be where ``input.path`` reads from: inside its directory (searched recursively), or
-    where its glob would list the shards or the manifest. The first run would work, and every later one would
-    read its own output as input rows.
+    """The output dir must not be where the input is read from: inside the directory of ``input.path`` (searched
+    recursively) or of a local ``input.dataset`` (whose files ``datasets`` picks from the whole directory: the
+    most common suffix, which the shards' .parquet may become), or where the glob of ``input.path`` would list
+    the shards or the manifest. The first run would work, and every later one would read its own output as
+    input rows.
 
     Raises:
         OutputError: naming both keys.
     """
-    path = job.input.path
-    if path is None:
-        return
-    out = Path(out_dir)
-    if Path(path).is_dir():
-        inside = out.resolve() == Path(path).resolve() or Path(path).resolve() in out.resolve().parents
+    out, dataset, path = Path(out_dir), local_dataset(job.input.dataset), job.input.path
+    if dataset is not None:
+        key, name, inside = "input.dataset", job.input.dataset.name, _within(out, dataset)
+    elif path is not None:
+        key, name = "input.path", path
+        inside = _within(out, Path(path)) if Path(path).is_dir() else \
+            any(_glob_matches(path, str(out / f)) for f in ("part-00000.parquet", shards.MANIFEST))
     else:
-        inside = any(_glob_matches(path, str(out / name)) for name in ("part-00000.parquet", shards.MANIFEST))
+        return
     if inside:
-        raise shards.OutputError(f"output.dir {str(out)!r} is inside what input.path {path!r} reads: a later run "
+        raise shards.OutputError(f"output.dir {str(out)!r} is inside what {key} {name!r} reads: a later run "
                                  f"would read its shards as input rows; write the output elsewhere")
+
+
+def _within(out: Path, top: Path) -> bool:
+    """``out`` is directory ``top`` or below it (paths resolved)."""
+    return out.resolve() == top.resolve() or top.resolve() in out.resolve().parents
 
 
 def job_fingerprint(job: JobSpec) -> dict:
