@@ -564,7 +564,7 @@ def _read_hub(d: DatasetSpec, stop_after: int | None) -> pa.Table | None:
         return _stream(ds, what, stop_after)
 
 
-_CANONICAL_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_CANONICAL_INT = re.compile(r"0|-?[1-9][0-9]*")  # not -0 (0 again), 007 or +7
 
 
 def _csv_ids(table: pa.Table, spec: InputSpec) -> pa.Table:
