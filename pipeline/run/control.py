@@ -565,7 +565,7 @@ def check_positions(store: ShardStore, rows: list[InputRow], spec: InputSpec) ->
 
     def text(row: InputRow) -> str | None:
         try:
-            return row_messages(row, spec)[0]
+            return row_messages(row, spec, empty_prompt=True)[0]  # "" is recorded as "" (a failed or scored row)
         except RowError:  # a row that fails on its prompt records none
             return None
 
