@@ -365,6 +365,11 @@ def test_sampled_batch_mode(monkeypatch):
         greedy = bench.run_batch_bench(random="tiny", batch_sizes=(2,), prompts=3, prompt_tokens=8, max_tokens=3,
                                        echo=lambda _s: None)
         assert greedy["settings"]["peer"]["sampler"] is None and seen["peer"] and set(seen["peer"]) == {None}
+        seen["peer"].clear()
+        tiny_t = bench.run_batch_bench(random="tiny", batch_sizes=(2,), prompts=3, prompt_tokens=8, max_tokens=3,
+                                       temperature=1e-6, echo=lambda _s: None)  # greedy in our sampler (vLLM's rule)
+        assert tiny_t["settings"]["greedy"] and tiny_t["settings"]["peer"]["sampler"] is None
+        assert set(seen["peer"]) == {None}
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..engine import BatchEngine, Engine, GenerateParams, Request
-from ..engine.sampler import row_seed
+from ..engine.sampler import SAMPLING_EPS, row_seed
 from ..errors import RowError
 from ..inputs import InputError, InputRow, read_rows
 from ..jobspec import InputSpec
@@ -137,7 +137,7 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
     exactly ``max_tokens`` new tokens each; or with ``prompts_file`` (a model spec only, not ``random``)
     the first ``prompts`` rows (default: all) of that input, column ``prompt_column``, built as a job
     builds them (``file_prompts``), EOS ending a row (the model's EOS ids on both sides), at most
-    ``max_tokens`` new tokens each. Sampling: ``temperature`` 0 is greedy; above 0 each prompt samples
+    ``max_tokens`` new tokens each. Sampling: ``temperature`` 0 (below ``sampler.SAMPLING_EPS``) is greedy; above 0 each prompt samples
     with its own seed (``sampler.row_seed(seed, i, 0)``, as a job's row i) and ``top_p``; the peer runs
     ``mlx_lm.sample_utils.make_sampler(temperature, top_p=top_p)``.
 
@@ -173,6 +173,8 @@ def run_batch_bench(model: str | None = None, *, random: str | None = None, batc
         if v not in ("auto", "eager", "compiled"):
             raise BenchError(f"unknown variant {v!r} (auto, eager, compiled)")
     _check_sampling(temperature, top_p)
+    if temperature < SAMPLING_EPS:  # greedy in our sampler (vLLM's rule): labelled and compared as greedy
+        temperature = 0.0
     kinds = [parse_cache_kind(c) for c in caches]
     dtype = compute_dtype("auto")
     notes: list[str] = []
