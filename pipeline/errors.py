@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (stripped), or its class name when the message is empty: an exception
+    from a library shown in a one-line error."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 class RowError(Exception):
     """This row cannot be generated: the message goes into the row's ``error`` column and the job goes on.
 

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .errors import first_line
 from .jobspec import ROW_OVERRIDES, DatasetSpec, FilterSpec, InputSpec
 from .resolve import hub_unreachable
 from .row_template import NullPrinted, compile_template, environment
@@ -264,10 +265,6 @@ def _check_present(keys: dict[str, str], names: list[str], where: str) -> None:
             raise InputError(f"{key}: column {c!r} not found in {where} (columns: {', '.join(names)})")
 
 
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def _dataset_name(d: DatasetSpec) -> str:
     """``input.dataset 'openai/gsm8k' config 'main' split 'test'``: how messages name a hub dataset."""
     return f"input.dataset {d.name!r}" + (f" config {d.config!r}" if d.config else "") + f" split {d.split!r}"
@@ -294,7 +291,7 @@ def _read_parquet(spec: InputSpec, files: list[Path], pick, stop_after: int | No
             if f.suffix.lower() in FORMATS:
                 raise InputError(f"input file {f}: not readable as Parquet: {e}") from None
             raise InputError(f"input file {f}: {_unknown_suffix(f)}, and it is not readable as Parquet: "
-                             f"{_first_line(e)}") from None
+                             f"{first_line(e)}") from None
     keys = pick(list(dict.fromkeys(name for schema in schemas for name in schema.names)))
     tables, n = [], 0
     for f, schema in zip(files, schemas):
@@ -348,7 +345,7 @@ def _stream(dataset, what: str, stop_after: int | None, passed: tuple[type, ...]
     except passed:
         raise
     except Exception as e:  # noqa: BLE001 - datasets and its readers raise many types; the job gets one line
-        raise InputError(f"{what}: not readable: {_first_line(e)}") from None
+        raise InputError(f"{what}: not readable: {first_line(e)}") from None
     if table is None or table.num_rows == 0:
         return None
     return table.replace_schema_metadata(None)
@@ -448,7 +445,7 @@ def _read_files(spec: InputSpec, files: list[Path], fmt: str, stop_after: int | 
             ds = datasets.load_dataset(fmt, data_files=[str(f) for f in data_files], split="train", streaming=True,
                                        **kwargs)
         except Exception as e:  # noqa: BLE001 - see _stream
-            raise InputError(f"{what}: not readable: {_first_line(e)}") from None
+            raise InputError(f"{what}: not readable: {first_line(e)}") from None
         return _stream(ds, what, stop_after, passed)
 
     with _quiet_libraries(), warnings.catch_warnings():
@@ -488,7 +485,7 @@ def _concat_files(spec: InputSpec, files: list[Path], tables: list[pa.Table | No
             out = t if out is None else pa.concat_tables([out, t], promote_options="permissive")
         except pa.ArrowException as e:
             raise InputError(f"{_source(spec)}: {f} does not fit the files before it: "
-                             f"{_first_line(e)}") from None
+                             f"{first_line(e)}") from None
     return out
 
 
@@ -520,7 +517,7 @@ def dataset_files(d: DatasetSpec) -> tuple[list[Path], str | None]:
         try:
             builder = datasets.load_dataset_builder(d.name, d.config)
         except Exception as e:  # noqa: BLE001 - see _stream
-            raise InputError(f"{what}: cannot be loaded: {_first_line(e)}") from None
+            raise InputError(f"{what}: cannot be loaded: {first_line(e)}") from None
     config = builder.config
     split_files = dict(config.data_files or {})
     if d.split not in split_files:
@@ -557,10 +554,10 @@ def _read_hub(d: DatasetSpec, stop_after: int | None) -> pa.Table | None:
         try:
             ds = datasets.load_dataset(d.name, d.config, split=d.split, revision=d.revision, streaming=True)
         except ConnectionError as e:
-            raise InputError(f"{what}: cannot reach the Hugging Face hub ({_first_line(e)}); "
+            raise InputError(f"{what}: cannot reach the Hugging Face hub ({first_line(e)}); "
                              "offline, use input.path with local files") from None
         except Exception as e:  # noqa: BLE001 - see _stream
-            raise InputError(f"{what}: cannot be loaded: {_first_line(e)}") from None
+            raise InputError(f"{what}: cannot be loaded: {first_line(e)}") from None
         return _stream(ds, what, stop_after)
 
 

@@ -49,6 +49,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .errors import first_line
+
 MANIFEST = "manifest.json"
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -325,10 +327,6 @@ def shard_error(out_dir: str | Path, entry: dict, problem: str) -> str:
             f"{entry['rows']} rows again")
 
 
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def _size_problem(entry: dict, size: int) -> str | None:
     if "bytes" in entry and size != entry["bytes"]:
         return f"has {size} bytes, the manifest says {entry['bytes']}"
@@ -370,7 +368,7 @@ def _footer_problem(path: Path, size: int, rows: int) -> str | None:
                         return (f"has a damaged Parquet footer (column {c.path_in_schema} of row group {i} lies "
                                 "outside the data)")
         except (OSError, ValueError, pa.ArrowException) as e:
-            return f"has a damaged Parquet footer ({_first_line(e)})"
+            return f"has a damaged Parquet footer ({first_line(e)})"
     return None
 
 
@@ -429,7 +427,7 @@ def check_shards(out_dir: str | Path, entries: list[dict], *, footer: bool = Tru
                     elif not (problem := _hash_problem(e, _file_sha256(path))):
                         check.hashed += 1
         except OSError as err:
-            problem = f"is not readable ({err.strerror or _first_line(err)})"
+            problem = f"is not readable ({err.strerror or first_line(err)})"
         if problem:
             check.bad.append((e, problem))
     return check
@@ -450,7 +448,7 @@ def read_shard(out_dir: str | Path, entry: dict, columns: list[str] | None = Non
                 columns = [c for c in columns if c in f.schema_arrow.names]
             return f.read(columns=columns)
     except (OSError, pa.ArrowException) as e:
-        problem = MISSING if not path.is_file() else f"is not readable as Parquet ({_first_line(e)})"
+        problem = MISSING if not path.is_file() else f"is not readable as Parquet ({first_line(e)})"
         raise OutputError(shard_error(out_dir, entry, problem)) from None
 
 
@@ -465,7 +463,7 @@ def read_shard_verified(out_dir: str | Path, entry: dict) -> pa.Table:
     try:
         data = path.read_bytes()
     except OSError as e:
-        problem = MISSING if not path.is_file() else f"is not readable ({e.strerror or _first_line(e)})"
+        problem = MISSING if not path.is_file() else f"is not readable ({e.strerror or first_line(e)})"
         raise OutputError(shard_error(out_dir, entry, problem)) from None
     problem = _size_problem(entry, len(data))
     if problem is None and "sha256" in entry:
@@ -474,7 +472,7 @@ def read_shard_verified(out_dir: str | Path, entry: dict) -> pa.Table:
         try:
             return pq.read_table(pa.BufferReader(data))
         except (OSError, pa.ArrowException) as e:
-            problem = f"is not readable as Parquet ({_first_line(e)})"
+            problem = f"is not readable as Parquet ({first_line(e)})"
     raise OutputError(shard_error(out_dir, entry, problem))
 
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from .. import _blas, outdir, shards
 from ..describe import parameter_count
-from ..errors import RowError
+from ..errors import RowError, first_line
 from ..inputs import InputError, InputRow, read_rows
 from ..jobspec import InputSpec, JobSpec
 from ..loader import LoadedModel, model_identity
@@ -319,7 +319,7 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
     try:
         lm = load_job_model(job, path)
     except Exception as e:
-        _record_failed_load(store, e)
+        _record_failed_load(store, summary, e)
         raise
     say(f"loaded {job.model} ({_model_line(lm)}) in {time.perf_counter() - t_load:.1f} s")
     store.update_run(device=str(mx.default_device()))
@@ -478,13 +478,7 @@ def _finish(summary: RunSummary, store: ShardStore,
         summary.stopped_fix = "fix the error" if isinstance(stopped, GenerationError) else stopped.fix
         if isinstance(stopped, GenerationError):
             end["traceback"] = stopped.trace
-    end.update(finished=_now(), rows_written=summary.rows_written, rows_failed=summary.rows_failed,
-               completion_tokens=summary.completion_tokens, prompt_tokens=summary.prompt_tokens,
-               cached_prompt_tokens=summary.cached_prompt_tokens, elapsed_s=round(summary.elapsed_s, 3),
-               interrupted=summary.interrupted, aborted=summary.aborted)
-    if summary.workers:
-        end["workers"] = {k: {**w, "seconds": round(w["seconds"], 3), "warmup_s": round(w.get("warmup_s", 0.0), 3)}
-                          for k, w in summary.workers.items()}
+    end.update(_run_end(summary))
     note = None
     try:
         store.finish_run(summary.complete, **end)
@@ -504,15 +498,25 @@ def _finish(summary: RunSummary, store: ShardStore,
     raise error from None
 
 
-def _record_failed_load(store: ShardStore, e: Exception) -> None:
-    """End the run record of a run whose model did not load (``stopped`` says why; nothing generated), so that
-    ``pipeline status`` does not count it as killed. Best effort: where the manifest cannot be written, the
-    load's error is the one to report."""
-    why = (str(e).splitlines() or [type(e).__name__])[0]
+def _run_end(summary: RunSummary) -> dict:
+    """The fields that end a run record (``finished``, its counts and seconds; ``status.run_recorded`` reads them),
+    from ``summary``."""
+    end = dict(finished=_now(), rows_written=summary.rows_written, rows_failed=summary.rows_failed,
+               completion_tokens=summary.completion_tokens, prompt_tokens=summary.prompt_tokens,
+               cached_prompt_tokens=summary.cached_prompt_tokens, elapsed_s=round(summary.elapsed_s, 3),
+               interrupted=summary.interrupted, aborted=summary.aborted)
+    if summary.workers:
+        end["workers"] = {k: {**w, "seconds": round(w["seconds"], 3), "warmup_s": round(w.get("warmup_s", 0.0), 3)}
+                          for k, w in summary.workers.items()}
+    return end
+
+
+def _record_failed_load(store: ShardStore, summary: RunSummary, e: Exception) -> None:
+    """End the run record of a run whose model did not load (``stopped`` says why; nothing generated: ``summary``
+    as it started), so that ``pipeline status`` does not count it as killed. Best effort: where the manifest
+    cannot be written, the load's error is the one to report."""
     with contextlib.suppress(OutputWriteError):
-        store.finish_run(False, stopped=f"the model did not load: {why}", finished=_now(), rows_written=0,
-                         rows_failed=0, completion_tokens=0, prompt_tokens=0, cached_prompt_tokens=0, elapsed_s=0.0,
-                         interrupted=None, aborted=False)
+        store.finish_run(False, stopped=f"the model did not load: {first_line(e)}", **_run_end(summary))
 
 
 def _stop_reason(e: OutputWriteError | GenerationError) -> str:
