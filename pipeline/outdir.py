@@ -46,11 +46,15 @@ def _holder(fd: int) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def holder_text(holder: dict | None) -> str:
+    """``pid N on HOST, since T`` of a lock's holder record (``its pid is not recorded yet`` without one)."""
+    return (f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('started')}" if holder
+            else "its pid is not recorded yet")
+
+
 def in_use_error(out_dir: str | Path, holder: dict | None) -> OutputError:
     """``output.dir '...' is in use by another run (pid N on HOST, since T)``."""
-    who = (f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('started')}" if holder
-           else "its pid is not recorded yet")
-    return OutputError(f"output.dir {str(out_dir)!r} is in use by another run ({who})")
+    return OutputError(f"output.dir {str(out_dir)!r} is in use by another run ({holder_text(holder)})")
 
 
 def _cannot_write(out_dir: str | Path, what: str, e: OSError) -> Exception:
@@ -73,29 +77,36 @@ def _alive(pid) -> bool:
     return True
 
 
-def check_not_in_use(out_dir: str | Path) -> None:
-    """Refuse an output dir whose lock a run holds, changing nothing (``pipeline validate``, and
-    ``pipeline run`` before it resolves the model or writes).
-
-    It takes a shared ``flock`` on the lock file and drops it at once; a run starting in that instant
-    retries for ``CONTENDED_S``. No lock file, an unreadable one, or a file system without locks counts as
-    not in use (``RunLock`` decides).
-
-    Raises:
-        OutputError: ``output.dir '...' is in use by another run (pid N on HOST, since T)``.
-    """
+def lock_held(out_dir: str | Path) -> tuple[bool, dict | None]:
+    """Whether a run holds ``out_dir``'s lock, and its holder record (None while it has not written it), changing
+    nothing. It takes a shared ``flock`` on the lock file and drops it at once; a run starting in that instant
+    retries for ``CONTENDED_S``. No lock file, an unreadable one, or a file system without locks counts as not
+    held (``RunLock`` decides)."""
     try:
         fd = os.open(Path(out_dir) / LOCK, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return
+        return False, None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise in_use_error(out_dir, _holder(fd)) from None
+        return True, _holder(fd)
     except OSError:
         pass
     finally:
         os.close(fd)
+    return False, None
+
+
+def check_not_in_use(out_dir: str | Path) -> None:
+    """Refuse an output dir whose lock a run holds (``lock_held``), changing nothing (``pipeline validate``, and
+    ``pipeline run`` before it resolves the model or writes).
+
+    Raises:
+        OutputError: ``output.dir '...' is in use by another run (pid N on HOST, since T)``.
+    """
+    held, holder = lock_held(out_dir)
+    if held:
+        raise in_use_error(out_dir, holder)
 
 
 def check_writable(out_dir: str | Path) -> None:

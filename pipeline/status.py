@@ -10,8 +10,7 @@ import pyarrow.compute as pc
 from .inputs import InputError, read_rows
 from .jobspec import JobSpecError, job_from_dict
 from .run.plan import plan_samples
-from .shards import (OutputError, check_shards, diff_fields, key_column, read_committed, read_consistent,
-                     read_shard)
+from .shards import check_shards, diff_fields, key_column, read_committed, read_consistent, read_shard
 
 _COLUMNS = ["id", "sample_index", "error", "completion_tokens", "total_s", "decode_tps"]
 
@@ -249,14 +248,11 @@ def recorded_totals(runs: list[dict]) -> dict:
 
 
 def _running(out_dir: Path) -> str | None:
-    """``pid N on HOST, since T`` of the run holding ``out_dir``'s lock (``outdir.check_not_in_use``), or None."""
+    """``pid N on HOST, since T`` of the run holding ``out_dir``'s lock (``outdir.lock_held``), or None."""
     from . import outdir
 
-    try:
-        outdir.check_not_in_use(out_dir)
-    except OutputError as e:
-        return str(e).split("in use by another run (", 1)[-1].rstrip(")")
-    return None
+    held, holder = outdir.lock_held(out_dir)
+    return outdir.holder_text(holder) if held else None
 
 
 def run_recorded(run: dict) -> bool:
