@@ -492,6 +492,15 @@ class OutputSpec:
         bad.raise_any()
 
 
+def host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a Ray address ``HOST:PORT`` or ``SCHEME://HOST:PORT`` (an IPv6 host's brackets
+    dropped), or None without a port."""
+    host, sep, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
 @dataclass
 class RaySpec:
     """Where and how ``executor: ray`` runs (``pipeline.run.ray``); not part of the job fingerprint.
@@ -521,9 +530,8 @@ class RaySpec:
         """Raises: JobSpecError: every value out of range."""
         bad = _Problems()
         if self.address is not None and self.address not in ("auto", "local"):
-            host, sep, port = self.address.split("://", 1)[-1].rstrip("/").rpartition(":")
-            if not (sep and host.strip("[]") and port.isdigit()) or self.address.split("://", 1)[0] not in (
-                    self.address, "ray"):  # Ray raises "Invalid address format" on a host without its port
+            end = host_port(self.address)  # Ray raises "Invalid address format" on a host without its port
+            if end is None or not end[0] or self.address.split("://", 1)[0] not in (self.address, "ray"):
                 bad.append(f"ray.address must be null, auto, local, HOST:PORT or ray://HOST:PORT, got "
                            f"{self.address!r}")
         if self.actors is not None and self.actors < 1:

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..jobspec import JobSpec, JobSpecError, RaySpec
+from ..jobspec import JobSpec, JobSpecError, RaySpec, host_port
 from ..shards import OutputError, disk_full
 
 CPU_SHARE = 0.75  # of the cluster's CPUs reserved for CPU actors by default; the rest for Ray Data's tasks
@@ -107,10 +107,7 @@ def gcs_endpoint(address: str | None) -> tuple[str, int] | None:
         address = os.environ.get("RAY_ADDRESS") or None
     if address is None or address in ("auto", "local"):
         return None
-    host, sep, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
-    if not sep or not host or not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
+    return host_port(address)
 
 
 def check_reachable(address: str | None, timeout: float = CONNECT_TIMEOUT_S) -> None:
