@@ -11,7 +11,6 @@ import glob
 import hashlib
 import json
 import logging
-import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -397,8 +396,8 @@ def _csv_nulls(spec: InputSpec, table: pa.Table) -> pa.Table:
     """A CSV ``table`` read with only empty cells null, with pandas' other null spellings (``NA``, ``N/A``,
     ``null``, ``nan``, ...) made null again in every column the job does not read as text
     (``_csv_text_columns``), and such a column then typed as pandas would have: integers, else floats (all
-    null: floats). So a prompt ``None`` or a country ``NA`` stays text, while a number column with ``NA`` for
-    a missing value reads as numbers and nulls, as before."""
+    null: floats); the id column stays text, for ``_csv_ids``. So a prompt ``None`` or a country ``NA`` stays
+    text, while a number column with ``NA`` for a missing value reads as numbers and nulls, as before."""
     from pandas._libs.parsers import STR_NA_VALUES
 
     text, spellings = _csv_text_columns(spec), pa.array(sorted(STR_NA_VALUES), pa.string())
@@ -410,6 +409,9 @@ def _csv_nulls(spec: InputSpec, table: pa.Table) -> pa.Table:
         if not pc.any(missing).as_py():
             continue
         col = pc.if_else(missing, pa.scalar(None, pa.string()), col)
+        if name == spec.id_column:  # ids stay as written (_csv_ids types them): "007" beside an NA is not 7
+            table = table.set_column(i, pa.field(name, col.type), col)
+            continue
         for numeric in (pa.int64(), pa.float64()):
             try:
                 col = pc.cast(col, numeric)
@@ -565,9 +567,10 @@ _CANONICAL_INT = re.compile(r"0|-?[1-9][0-9]*")  # not -0 (0 again), 007 or +7
 
 
 def _csv_ids(table: pa.Table, spec: InputSpec) -> pa.Table:
-    """CSV: the id column, read as written (``converters``), as int64 when every id is an integer written as
-    Python writes it (``7``, ``-12``), else as strings, so an id such as ``007`` or ``1e3`` keeps its text (pandas
-    would read ``007`` as 7: two ids ``007`` and ``7`` the same, and the output's id not the input's)."""
+    """CSV: the id column, read as written (``converters``; null spellings null, ``_csv_nulls``), as int64 when
+    every id is an integer written as Python writes it (``7``, ``-12``), else as strings, so an id such as ``007``
+    or ``1e3`` keeps its text (pandas would read ``007`` as 7: two ids ``007`` and ``7`` the same, and the output's
+    id not the input's). An empty or null id stays null ("null id in row(s) 2", as for Parquet)."""
     name = spec.id_column
     if not name or name not in table.column_names or not _is_string(table.schema.field(name).type):
         return table
@@ -577,22 +580,6 @@ def _csv_ids(table: pa.Table, spec: InputSpec) -> pa.Table:
     i = table.column_names.index(name)
     col = pa.array([None if v is None else int(v) for v in table.column(name).to_pylist()], pa.int64())
     return table.set_column(i, pa.field(name, pa.int64()), col)
-
-
-def _integral_ids(table: pa.Table, spec: InputSpec) -> pa.Table:
-    """CSV: an integer id column with an empty cell reads as float (pandas: NaN); back to integers, so
-    that the empty cell is a null id ("null id in row(s) 2", as for Parquet), not a float column."""
-    name = spec.id_column
-    if not name or name not in table.column_names:
-        return table
-    col = table.column(name)
-    if not pa.types.is_floating(col.type) or col.null_count == 0:
-        return table
-    values = col.drop_null().to_pylist()
-    if not all(math.isfinite(v) and v.is_integer() and abs(v) < 2**63 for v in values):
-        return table
-    i = table.column_names.index(name)
-    return table.set_column(i, table.schema.field(i).with_type(pa.int64()), pc.cast(col, pa.int64()))
 
 
 def _read(spec: InputSpec, pick, stop_after: int | None) -> pa.Table:
@@ -618,7 +605,7 @@ def _read(spec: InputSpec, pick, stop_after: int | None) -> pa.Table:
     else:
         table = _read_files(spec, files, fmt, stop_after, pick)
         if fmt == "csv":
-            table = _integral_ids(_csv_ids(_csv_nulls(spec, table), spec), spec)
+            table = _csv_ids(_csv_nulls(spec, table), spec)
     keys = pick(table.column_names)
     if keys is None:
         return table

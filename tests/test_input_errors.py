@@ -237,6 +237,13 @@ def test_csv_ids_keep_their_text_unless_every_one_is_a_plain_integer(tmp_path):
         assert (got, [r.id for r in rows]) == (id_type, ids), text
     f.write_text("id,prompt\n007,Hi\n7,Yo\n", encoding="utf-8")
     assert [r.id for r in read_rows(spec(path=str(f), id_column="id"))[0]] == ["007", "7"]  # two ids, not one
+    f.write_text("id,prompt,lang\n007,Hi,en\nNA,Yo,de\n", encoding="utf-8")  # a null spelling beside it
+    rows, got = read_rows(spec(path=str(f), id_column="id", filter={"column": "lang", "equals": "en"}))
+    assert (got, [r.id for r in rows]) == (pa.string(), ["007"])
+    f.write_text("id,prompt,lang\n7,Hi,en\nNA,Yo,de\n", encoding="utf-8")
+    rows, got = read_rows(spec(path=str(f), id_column="id", filter={"column": "lang", "equals": "en"}))
+    assert (got, [r.id for r in rows]) == (pa.int64(), [7])
+    assert error_of(path=str(f), id_column="id") == "input.id_column 'id': null id in row(s) 1"
 
 
 # --- one error line, library log records once -----------------------------------------------------------
