@@ -295,6 +295,26 @@ def test_an_unreachable_address_fails_at_once_touching_nothing(tiny_model, promp
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no run record, no shard touched
 
 
+def test_a_model_that_does_not_load_in_the_actors_ends_the_run_record(ray_address, tiny_model, prompts, tmp_path):
+    """kv_group_size 32 does not divide the tiny model's head_dim of 16: the actors' model load fails. The error
+    reaches the driver as itself and the run record ends with it, so status does not call the run killed (the
+    record was left open, as if the driver had been killed)."""
+    from pipeline.engine.cache import CacheConfigError
+    from pipeline.status import format_status, job_status
+
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, prompts, out)
+    assert run_job(job_from_dict({**spec, "executor": "local"}), limit=4, progress=False, echo=lambda _: None).complete
+    bad = job_from_dict({**spec, "cache": {"kv_bits": 8, "kv_group_size": 32}})
+    with pytest.raises(CacheConfigError):
+        run_job(bad, force=True, progress=False, echo=lambda _: None)
+    last = json.loads((out / "manifest.json").read_text())["runs"][-1]
+    assert "kv_group_size" in last["stopped"], last
+    assert last["rows_written"] == 0 and "finished" in last
+    st = job_status(out)
+    assert (st["runs"], st["runs_unrecorded"]) == (2, 0) and "unrecorded" not in format_status(st)
+
+
 def test_more_cpus_than_the_cluster_has_is_a_job_problem(ray_address, tiny_model, prompts, tmp_path):
     from click.testing import CliRunner
 

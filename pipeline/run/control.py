@@ -312,6 +312,9 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
                 summary.interrupted, summary.aborted = str(e), True
             except (OutputWriteError, GenerationError) as e:  # a unit's shard, the manifest, a row: units committed stay
                 stopped = e
+            except Exception as e:  # an actor's model load, Ray itself: the run record ends with why, then it is raised
+                _record_stopped(store, summary, first_line(e))
+                raise
         return _finish(summary, store, stopped)
 
     say = (lambda m: tqdm.write(m, file=sys.stderr)) if progress else (lambda m: None)
@@ -319,7 +322,7 @@ def _run_job(job: JobSpec, cleanup: contextlib.ExitStack, held: contextlib.ExitS
     try:
         lm = load_job_model(job, path)
     except Exception as e:
-        _record_failed_load(store, summary, e)
+        _record_stopped(store, summary, f"the model did not load: {first_line(e)}")
         raise
     say(f"loaded {job.model} ({_model_line(lm)}) in {time.perf_counter() - t_load:.1f} s")
     store.update_run(device=str(mx.default_device()))
@@ -511,12 +514,13 @@ def _run_end(summary: RunSummary) -> dict:
     return end
 
 
-def _record_failed_load(store: ShardStore, summary: RunSummary, e: Exception) -> None:
-    """End the run record of a run whose model did not load (``stopped`` says why; nothing generated: ``summary``
-    as it started), so that ``pipeline status`` does not count it as killed. Best effort: where the manifest
-    cannot be written, the load's error is the one to report."""
+def _record_stopped(store: ShardStore, summary: RunSummary, why: str) -> None:
+    """End the run record of a run stopped by an error raised as itself (the model did not load; on Ray, what an
+    actor or Ray raised): ``stopped`` says ``why``, the counts are ``summary``'s, so that ``pipeline status``
+    does not count the run as killed. Best effort: where the manifest cannot be written, the error that stopped
+    the run is the one to report."""
     with contextlib.suppress(OutputWriteError):
-        store.finish_run(False, stopped=f"the model did not load: {first_line(e)}", **_run_end(summary))
+        store.finish_run(False, stopped=why, **_run_end(summary))
 
 
 def _stop_reason(e: OutputWriteError | GenerationError) -> str:
