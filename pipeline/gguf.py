@@ -137,7 +137,9 @@ def read_gguf(path: str | Path) -> GGUFModel:
 
     Raises:
         GGUFError: unreadable file, unsupported architecture, a tensor of a type MLX cannot load (named with
-            its type id, ``tensor_types``), unknown tensor names.
+            its type id, ``tensor_types``), unknown tensor names, RoPE scaling (an explicit
+            ``rope.scaling.type``, or a ``rope.scaling.factor`` / ``rope.scale_linear`` other than 1, which
+            llama.cpp takes as linear scaling).
         TokenizerError: unsupported tokenizer.
     """
     path = Path(path)
@@ -207,8 +209,14 @@ def read_gguf(path: str | Path) -> GGUFModel:
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": list(tok.eos_token_ids),
     }
-    if get("rope.scaling.type", required=False) not in (None, "none"):
-        raise GGUFError(f"{path}: RoPE scaling {get('rope.scaling.type')!r} is not supported for GGUF models")
+    # llama.cpp (llama-model.cpp, llm_load_hparams): the scaling type defaults to "linear", and the factor to
+    # the old key rope.scale_linear; a factor of 0 or 1 is no scaling.
+    factor = get("rope.scaling.factor", required=False, kind=float)
+    if factor is None:
+        factor = get("rope.scale_linear", required=False, kind=float)
+    scaling = get("rope.scaling.type", required=False) or ("linear" if factor not in (None, 0, 1) else None)
+    if scaling not in (None, "none"):
+        raise GGUFError(f"{path}: RoPE scaling {scaling!r} is not supported for GGUF models")
 
     weights = {}
     for name, value in tensors.items():

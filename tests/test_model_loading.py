@@ -540,3 +540,25 @@ def test_gguf_tensor_of_a_type_mlx_cannot_load_is_named(tmp_path, type_id, type_
         load(path)
     one_line_error(e, f"{path}: tensor 'blk.0.attn_norm.weight' has GGML type {type_id} ({type_name}), which MLX "
                       "cannot load")
+
+
+@pytest.mark.parametrize("kv,scaled", [
+    ({"llama.rope.scaling.factor": 4.0}, True), ({"llama.rope.scale_linear": 4.0}, True),
+    ({"llama.rope.scaling.factor": 1.0}, False), ({"llama.rope.scale_linear": 1.0}, False),
+    ({"llama.rope.scaling.factor": 1.0, "llama.rope.scale_linear": 4.0}, False),
+])
+def test_gguf_rope_scaling_factor_without_a_type_is_linear(tmp_path, kv, scaled):
+    """llama.cpp (llm_load_hparams) takes a GGUF's RoPE scaling type as linear when it has none, with the factor
+    from rope.scaling.factor, else the old rope.scale_linear; such a file ran unscaled. It is refused as an
+    explicit linear type is; a factor of 1 is no scaling."""
+    from gguf_file import FLOAT32, write_tiny_gguf
+
+    from pipeline.gguf import GGUFError, read_gguf
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", {k: (FLOAT32, v) for k, v in kv.items()})
+    if not scaled:
+        assert "rope_scaling" not in read_gguf(path).config
+        return
+    with pytest.raises(GGUFError) as e:
+        read_gguf(path)
+    one_line_error(e, f"{path}: RoPE scaling 'linear' is not supported for GGUF models")
