@@ -1,5 +1,7 @@
 """Llama family vs mlx-lm's mlx_lm/models/llama.py on the same random weights."""
 
+import re
+
 import pytest
 
 from mlx_lm_parity import compare_with_mlx_lm
@@ -21,3 +23,27 @@ MISTRAL = {**LLAMA, "model_type": "mistral", "tie_word_embeddings": False, "head
 @pytest.mark.parametrize("quantization", [None, {"group_size": 64, "bits": 4}], ids=["fp32", "q4g64"])
 def test_llama_matches_mlx_lm(config, quantization):
     compare_with_mlx_lm(config, quantization=quantization)
+
+
+# Llama with sliding-window layers (transformers' layer_types), 40 prompt tokens over a window of 8.
+SLIDING = {**LLAMA, "num_hidden_layers": 3, "sliding_window": 8,
+           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+
+
+def test_llama_sliding_layers_match_mlx_lm():
+    """mlx-lm's llama.py gives the layer_types "sliding_attention" layers a RotatingKVCache(sliding_window);
+    ours ran them as full attention."""
+    compare_with_mlx_lm(SLIDING)
+
+
+@pytest.mark.parametrize("change,error", [
+    ({"sliding_window": None}, "layer_types has sliding_attention layers but the config has no sliding_window"),
+    ({"layer_types": ["full_attention"] * 2}, "layer_types has 2 entries for 3 layers"),
+    ({"layer_types": ["chunked_attention"] * 3}, "unsupported layer_types ['chunked_attention']"),
+])
+def test_llama_bad_layer_types_are_one_line_config_errors(change, error):
+    from pipeline.models import build_model
+    from pipeline.models.base import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        build_model({**SLIDING, **change}, {}, None)

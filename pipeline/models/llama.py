@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..engine.cache import KVCache
-from .base import BaseModelArgs, SwiGLU, drop_unused, fuse_qkv, output_logits, roped_qkv
+from ..engine.cache import KVCache, RotatingKVCache
+from .base import BaseModelArgs, ConfigError, SwiGLU, drop_unused, fuse_qkv, output_logits, roped_qkv
 from .rope import make_rope
 
 
@@ -33,12 +33,26 @@ class ModelArgs(BaseModelArgs):
     tie_word_embeddings: bool = True
     attention_bias: bool = False
     mlp_bias: bool = False
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        unknown = set(self.layer_types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ConfigError(f"unsupported layer_types {sorted(unknown)} (supported: sliding_attention, full_attention)")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ConfigError("layer_types has sliding_attention layers but the config has no sliding_window")
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.layer_types[layer] == "sliding_attention"
 
 
 class Attention(nn.Module):
@@ -111,9 +125,11 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: list[KVCache], last_only: bool = False) -> mx.array:
         return output_logits(self, self.model(inputs, cache), last_only)
 
-    def make_cache(self) -> list[KVCache]:
-        """One cache per layer (all full caches for Llama)."""
-        return [KVCache() for _ in self.model.layers]
+    def make_cache(self) -> list[KVCache | RotatingKVCache]:
+        """One cache per layer: ``RotatingKVCache(sliding_window)`` for the ``layer_types`` entries
+        "sliding_attention" (as mlx-lm's llama.py), ``KVCache`` for the others (all of them by default)."""
+        return [RotatingKVCache(self.args.sliding_window) if self.args.is_sliding(i) else KVCache()
+                for i in range(self.args.num_hidden_layers)]
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop tensors the model does not use (precomputed RoPE tables, a tied lm_head)."""
