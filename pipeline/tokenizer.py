@@ -60,8 +60,14 @@ _PRE_TOKENIZERS = {
     "starcoder": (_digits_then_gpt2, False),
     "refact": (_digits_then_gpt2, False),
     "llama-bpe": (lambda: _split_then_bytes(_LLAMA3_REGEX), True),
+    "llama3": (lambda: _split_then_bytes(_LLAMA3_REGEX), True),
+    "llama-v3": (lambda: _split_then_bytes(_LLAMA3_REGEX), True),
     "qwen2": (lambda: _split_then_bytes(_QWEN2_REGEX), False),
 }
+
+# Pre-tokenizers after which llama.cpp adds BOS when a GGUF has no tokenizer.ggml.add_bos_token
+# (llama.cpp src/llama-vocab.cpp, the LLAMA_VOCAB_PRE_TYPE_LLAMA3 arm: add_bos = true).
+_ADD_BOS_PRE = {"llama3", "llama-v3", "llama-bpe"}
 
 
 # Lead bytes whose second byte has a narrower range than 80..BF (Unicode 15.0, Table 3-7, well-formed UTF-8).
@@ -317,7 +323,8 @@ class Tokenizer:
         """Build the tokenizer described by GGUF metadata (``tokenizer.ggml.*`` keys).
 
         Supports ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE) with the pre-tokenizers listed
-        in ``_PRE_TOKENIZERS``.
+        in ``_PRE_TOKENIZERS``. Without ``tokenizer.ggml.add_bos_token``, BOS is added after the Llama 3
+        pre-tokenizers (``_ADD_BOS_PRE``, as llama.cpp) and not after the others.
 
         Raises:
             TokenizerError: another tokenizer model or pre-tokenizer, or missing keys.
@@ -377,7 +384,7 @@ class Tokenizer:
             hf,
             bos_token_id=bos,
             eos_token_ids=[i for i in (eos, eot) if i is not None],
-            add_bos_token=bool(_scalar(add_bos)) if add_bos is not None else False,
+            add_bos_token=bool(_scalar(add_bos)) if add_bos is not None else pre in _ADD_BOS_PRE,
             chat_template=template,
         )
 

@@ -112,3 +112,20 @@ def test_special_tokens_are_the_special_added_tokens_longest_first():
     assert set(tok.special_tokens) == set(SPECIAL)
     assert "<|end|>" not in tok.special_tokens
     assert [len(t) for t in tok.special_tokens] == sorted((len(t) for t in SPECIAL), reverse=True)
+
+
+@pytest.mark.parametrize("pre,flag,expected", [
+    ("llama-bpe", None, True), ("llama3", None, True), ("llama-v3", None, True), ("llama-bpe", False, False),
+    ("gpt2", None, False), ("gpt2", True, True),
+])
+def test_gguf_add_bos_defaults_as_llama_cpp(tmp_path, pre, flag, expected):
+    """llama.cpp (src/llama-vocab.cpp) adds BOS after the Llama 3 pre-tokenizers unless
+    tokenizer.ggml.add_bos_token says otherwise; a Llama 3 GGUF without the key ran without BOS."""
+    from gguf_file import BOOL, BOS, STRING, write_tiny_gguf
+
+    kv = {"tokenizer.ggml.pre": (STRING, pre)}
+    if flag is not None:
+        kv["tokenizer.ggml.add_bos_token"] = (BOOL, flag)
+    tok = read_gguf(write_tiny_gguf(tmp_path / "m.gguf", kv)).tokenizer
+    assert tok.add_bos_token is expected
+    assert (tok.encode("ab", add_bos=tok.add_bos_token)[0] == BOS) is expected
