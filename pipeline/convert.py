@@ -112,14 +112,33 @@ def convert_gguf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -
     return dst
 
 
+def bos_post_processor(bos: str, bos_id: int) -> dict:
+    """The ``tokenizer.json`` post-processor that puts BOS before each sequence, as Hugging Face's Llama 3
+    tokenizer.json has it (TemplateProcessing, single ``<bos> $A``, pair ``<bos> $A <bos> $B``): readers that
+    encode with special tokens (``mlx_lm.load``, transformers' ``AutoTokenizer``) then add BOS as the GGUF asks."""
+    def special(type_id):
+        return {"SpecialToken": {"id": bos, "type_id": type_id}}
+
+    def seq(name, type_id):
+        return {"Sequence": {"id": name, "type_id": type_id}}
+
+    return {"type": "TemplateProcessing", "single": [special(0), seq("A", 0)],
+            "pair": [special(0), seq("A", 0), special(1), seq("B", 1)],
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+
+
 def write_model_dir(path: Path, config: dict, weights: dict, tokenizer) -> None:
     """Write an HF-style model directory into the existing folder ``path``: ``model.safetensors``,
-    ``config.json``, ``tokenizer.json``, ``tokenizer_config.json`` (BOS/EOS, ``add_bos_token``, chat
-    template) and ``generation_config.json`` (BOS and every EOS id)."""
+    ``config.json``, ``tokenizer.json`` (with ``bos_post_processor`` when the tokenizer adds BOS),
+    ``tokenizer_config.json`` (BOS/EOS, ``add_bos_token``, chat template) and ``generation_config.json``
+    (BOS and every EOS id)."""
     tok = tokenizer
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    tok._hf.save(str(path / "tokenizer.json"))
+    tok_json = json.loads(tok.to_str())
+    if tok.add_bos_token and tok.bos_token_id is not None:
+        tok_json["post_processor"] = bos_post_processor(tok.bos_token, tok.bos_token_id)
+    (path / "tokenizer.json").write_text(json.dumps(tok_json, indent=2, ensure_ascii=False), encoding="utf-8")
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": tok.bos_token or None,

@@ -112,3 +112,26 @@ def test_overwrite_replaces_an_earlier_convert_or_an_empty_directory(tmp_path, d
     result = _convert_cli(default_model_path, dst, "--overwrite")  # convert's own output: replaced
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in dst.iterdir()) == names and json.loads((dst / "config.json").read_text())
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_converted_tokenizer_adds_bos_where_the_gguf_asks(tmp_path, add_bos):
+    """A GGUF with add_bos_token true was converted to a tokenizer.json without a post-processor, so mlx-lm and
+    transformers added no BOS; our own loader (which adds BOS itself) gives the same ids either way."""
+    from gguf_file import BOOL, BOS, write_tiny_gguf
+    from mlx_lm import load
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from pipeline.convert import convert_gguf
+    from pipeline.gguf import read_gguf
+
+    src = write_tiny_gguf(tmp_path / "m.gguf", {"tokenizer.ggml.add_bos_token": (BOOL, add_bos)})
+    dst = convert_gguf(src, tmp_path / "mlx")
+    gguf_tok = read_gguf(src).tokenizer
+    text_ids = gguf_tok.encode("hi there")
+    expected = [BOS, *text_ids] if add_bos else text_ids
+    assert HFTokenizer.from_file(str(dst / "tokenizer.json")).encode("hi there").ids == expected
+    assert load(str(dst))[1].encode("hi there") == expected
+    ours = load_model(str(dst)).tokenizer
+    assert ours.add_bos_token is add_bos and ours.encode("hi there") == text_ids
+    assert ours.encode("hi there", add_bos=ours.add_bos_token) == gguf_tok.encode("hi there", add_bos=add_bos)
