@@ -40,7 +40,7 @@ MODEL_DIR_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokeni
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     """Refuse a ``dst`` that exists, unless ``overwrite`` and it is an empty directory or one an earlier
     convert wrote (regular files named in ``MODEL_DIR_FILES``, ``config.json`` among them) not holding
-    ``src``: anything else in it would be deleted with it, as ``export --overwrite`` refuses a directory that
+    ``src`` nor the current directory (which would be left deleted under the shell): anything else in it would be deleted with it, as ``export --overwrite`` refuses a directory that
     is not a saved dataset."""
     if not (dst.exists() or dst.is_symlink()):
         return
@@ -50,6 +50,9 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{dst}: exists and is not a directory; not replacing it")
     if dst.resolve() in src.resolve().parents:
         raise FileExistsError(f"{dst}: holds the source {src}; not replacing it")
+    cwd = Path.cwd().resolve()
+    if dst.resolve() == cwd or dst.resolve() in cwd.parents:
+        raise FileExistsError(f"{dst}: is the current directory or holds it; not replacing it")
     entries = list(dst.iterdir())
     ours = all(p.name in MODEL_DIR_FILES and p.is_file() and not p.is_symlink() for p in entries)
     if entries and not (ours and (dst / "config.json").is_file()):
@@ -68,10 +71,11 @@ def convert_gguf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -
 
     Raises:
         FileExistsError: ``dst`` exists and ``overwrite`` is false, or it is not a directory that may be
-            replaced (a file, a link, a directory holding ``src`` or files convert does not write).
+            replaced (a file, a link, a directory holding ``src``, the current directory or one holding it,
+            or one with files convert does not write).
         GGUFError, TokenizerError: ``src`` is unreadable or unsupported.
     """
-    src, dst = Path(src), Path(dst)
+    src, dst = Path(src), Path(os.path.abspath(dst))  # "." has no name to write beside, nor a parent
     _check_destination(src, dst, overwrite)
     g = read_gguf(src)
     cfg = dict(g.config)

@@ -135,3 +135,24 @@ def test_converted_tokenizer_adds_bos_where_the_gguf_asks(tmp_path, add_bos):
     ours = load_model(str(dst)).tokenizer
     assert ours.add_bos_token is add_bos and ours.encode("hi there") == text_ids
     assert ours.encode("hi there", add_bos=ours.add_bos_token) == gguf_tok.encode("hi there", add_bos=add_bos)
+
+
+def test_overwrite_of_the_current_directory_is_refused(tmp_path, monkeypatch):
+    """`convert M.gguf . --overwrite` made its temporary directory inside ".", deleted the earlier conversion
+    there and failed with OSError [Errno 22]; replacing the shell's directory is now refused, one line, exit 2,
+    nothing deleted. A relative DST beside it is still replaced."""
+    from gguf_file import write_tiny_gguf
+
+    src = write_tiny_gguf(tmp_path / "m.gguf")
+    dst = tmp_path / "mlx"
+    assert _convert_cli(src, dst).exit_code == 0
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    monkeypatch.chdir(dst)
+    result = _convert_cli(src, ".", "--overwrite")
+    assert result.exit_code == 2, result.output
+    assert result.output == f"error: {dst}: is the current directory or holds it; not replacing it\n"
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    monkeypatch.chdir(tmp_path)
+    result = _convert_cli(src, "mlx", "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
