@@ -335,13 +335,19 @@ def report(out_dir, out):
 @click.argument("dst", type=click.Path(file_okay=False))
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
 def convert(src, dst, overwrite):
-    """Write the GGUF llama model SRC as an MLX model directory DST."""
-    from .convert import convert_gguf
+    """Write the GGUF llama model SRC as an MLX model directory DST.
+
+    Exits 2 when DST exists (without --overwrite, or not a directory convert may replace) or cannot be written
+    (a parent that is a file, a read-only file system); 1 when no space is left. A failed convert leaves
+    nothing at DST."""
+    from .convert import ConvertError, convert_gguf
 
     try:
         out = convert_gguf(src, dst, overwrite=overwrite)
     except FileExistsError as e:  # the command line's destination: exit 2, as export's
         _fail(e, 2)
+    except ConvertError as e:  # DST cannot be written: exit 2, 1 when no space is left
+        _fail(e, e.exit_code)
     except USER_ERRORS as e:
         _fail(e)
     click.echo(f"wrote {out}")

@@ -7,6 +7,7 @@ un-permuted so the standard (non-interleaved) RoPE applies, which makes the dire
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -18,6 +19,16 @@ import mlx.core as mx
 import numpy as np
 
 from .gguf import read_gguf
+
+
+class ConvertError(RuntimeError):
+    """DST cannot be written: its parent is a file, a read-only or special file system, no space left. One line
+    naming DST and the OS's reason; the CLI exits with ``exit_code``: 1 for no space left (as ``pipeline run``),
+    else 2 (the command line's destination)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> mx.array:
@@ -73,6 +84,9 @@ def convert_gguf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -
         FileExistsError: ``dst`` exists and ``overwrite`` is false, or it is not a directory that may be
             replaced (a file, a link, a directory holding ``src``, the current directory or one holding it,
             or one with files convert does not write).
+        ConvertError: ``dst`` cannot be written (``export.destination_error``: its parent is a file, a
+            read-only or special file system; no space left, exit_code 1); nothing of it is left behind,
+            parent directories made for it included.
         GGUFError, TokenizerError: ``src`` is unreadable or unsupported.
     """
     src, dst = Path(src), Path(os.path.abspath(dst))  # "." has no name to write beside, nor a parent
@@ -100,18 +114,30 @@ def convert_gguf(src: str | Path, dst: str | Path, *, overwrite: bool = False) -
     cfg["architectures"] = ["LlamaForCausalLM"]
     tok = g.tokenizer
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700
+    from .export import destination_error
+
+    made = [a for a in [dst.parent, *dst.parent.parents] if not a.exists()]  # removed again on failure
+    tmp = None
     try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700
         write_model_dir(tmp, cfg, weights, tok)
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for a in made:  # deepest first
+            try:
+                a.rmdir()
+            except OSError:
+                pass
+        if isinstance(e, OSError):
+            raise destination_error("DST", dst, e, ConvertError) from None
         raise
     return dst
 
@@ -135,9 +161,20 @@ def write_model_dir(path: Path, config: dict, weights: dict, tokenizer) -> None:
     """Write an HF-style model directory into the existing folder ``path``: ``model.safetensors``,
     ``config.json``, ``tokenizer.json`` (with ``bos_post_processor`` when the tokenizer adds BOS),
     ``tokenizer_config.json`` (BOS/EOS, ``add_bos_token``, chat template) and ``generation_config.json``
-    (BOS and every EOS id)."""
+    (BOS and every EOS id).
+
+    Raises:
+        OSError: a write failed; MLX's failed write of the weights as ENOSPC when the file system has less free
+            space than the weights' bytes, else with MLX's message.
+    """
     tok = tokenizer
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    try:
+        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    except RuntimeError as e:  # MLX's writer names no errno: "[write] Unable to write N bytes to file."
+        needed = sum(w.nbytes for w in weights.values())
+        if shutil.disk_usage(path).free < needed:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from None
+        raise OSError(f"{path / 'model.safetensors'}: {e}") from None
     (path / "config.json").write_text(json.dumps(config, indent=2))
     tok_json = json.loads(tok.to_str())
     if tok.add_bos_token and tok.bos_token_id is not None:

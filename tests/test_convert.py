@@ -1,6 +1,7 @@
 """`pipeline convert` on the real default model: the MLX directory it writes loads in ours and in mlx-lm."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,3 +157,53 @@ def test_overwrite_of_the_current_directory_is_refused(tmp_path, monkeypatch):
     result = _convert_cli(src, "mlx", "--overwrite")
     assert result.exit_code == 0, result.output
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("case", ["parent_is_a_file", "under_a_file", "read_only", "special"])
+def test_unwritable_destination_is_one_line_exit_2(tmp_path, case):
+    """An unwritable DST printed a traceback; now one line naming DST and why, exit 2, nothing left behind.
+    We run as root, so a chmod'ed directory does not stop a write: sysfs and procfs, where no directory can be
+    made, stand in for a read-only file system."""
+    from gguf_file import write_tiny_gguf
+
+    src = write_tiny_gguf(tmp_path / "m.gguf")
+    (tmp_path / "afile").write_text("x")
+    dst, reason = {
+        "parent_is_a_file": (tmp_path / "afile" / "sub", f"{tmp_path / 'afile'} is a file, not a directory"),
+        "under_a_file": (tmp_path / "afile" / "a" / "sub", f"{tmp_path / 'afile'} is a file, not a directory"),
+        "read_only": (Path("/sys/pipeline-convert-test/mlx"), ""),  # EPERM or EROFS, as mounted
+        "special": (Path("/proc/self/pipeline-convert-test"), ""),
+    }[case]
+    before = sorted(tmp_path.rglob("*"))
+    result = _convert_cli(src, dst)
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: DST {dst}: cannot write it: {reason}")
+    assert result.output.count("\n") == 1, result.output
+    assert sorted(tmp_path.rglob("*")) == before and not dst.exists()
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_no_space_left_is_one_line_exit_1_and_leaves_nothing(tmp_path, monkeypatch, nested):
+    """MLX's writer failing for want of space ("[write] Unable to write ...") printed a traceback and left the
+    parent directories convert had made; now one line, exit 1 (as run's no space left), nothing left behind."""
+    import collections
+    import shutil
+
+    import mlx.core as mx
+    from gguf_file import write_tiny_gguf
+
+    src = write_tiny_gguf(tmp_path / "m.gguf")
+    dst = tmp_path / "new" / "deeper" / "mlx" if nested else tmp_path / "mlx"
+
+    def full_disk(path, arrays, metadata=None):
+        Path(path).write_bytes(b"\0" * 100)  # what fitted
+        raise RuntimeError("[write] Unable to write 4096 bytes to file.")
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(mx, "save_safetensors", full_disk)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 20, 1 << 20, 0))
+    before = sorted(tmp_path.rglob("*"))
+    result = _convert_cli(src, dst)
+    assert result.exit_code == 1, result.output
+    assert result.output == f"error: DST {dst}: cannot write it: No space left on device\n"
+    assert sorted(tmp_path.rglob("*")) == before
