@@ -562,3 +562,15 @@ def test_gguf_rope_scaling_factor_without_a_type_is_linear(tmp_path, kv, scaled)
     with pytest.raises(GGUFError) as e:
         read_gguf(path)
     one_line_error(e, f"{path}: RoPE scaling 'linear' is not supported for GGUF models")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma3_text"])
+def test_kv_heads_not_dividing_heads_is_one_line_at_load(model_type):
+    """4 heads over 3 KV heads: inspect said fine and run died in the warm-up with an MLX traceback."""
+    from pipeline.models import build_model
+
+    config = {**CONFIG, "model_type": model_type, "num_key_value_heads": 3, "head_dim": 16,
+              "tie_word_embeddings": True, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+    with pytest.raises(ConfigError) as e:
+        build_model(config, {}, mx.float32)
+    one_line_error(e, "model config key 'num_key_value_heads' (3) must divide num_attention_heads (4)")

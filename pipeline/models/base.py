@@ -24,7 +24,8 @@ class BaseModelArgs:
     @classmethod
     def from_dict(cls, config: dict):
         """Build from a HF ``config.json`` dict: unknown keys are ignored, missing required keys, values of
-        the wrong type and integers (sizes, counts, lengths) below 1 raise ``ConfigError`` naming them."""
+        the wrong type, integers (sizes, counts, lengths) below 1 and a ``num_key_value_heads`` that does not
+        divide ``num_attention_heads`` raise ``ConfigError`` naming them."""
         config = _flat_rope(config)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         missing = [
@@ -40,7 +41,12 @@ class BaseModelArgs:
                 raise ConfigError(f"model config key {name!r} must be {_type_name(hints[name])}, got {config[name]!r}")
             if int in _options(hints[name]) and isinstance(config.get(name), int) and config[name] < 1:
                 raise ConfigError(f"model config key {name!r} must be at least 1, got {config[name]!r}")
-        return cls(**{k: v for k, v in config.items() if k in fields})
+        args = cls(**{k: v for k, v in config.items() if k in fields})
+        heads, kv_heads = getattr(args, "num_attention_heads", None), getattr(args, "num_key_value_heads", None)
+        if heads and kv_heads and heads % kv_heads:  # grouped-query attention shares each KV head by a group
+            raise ConfigError(f"model config key 'num_key_value_heads' ({kv_heads}) must divide "
+                              f"num_attention_heads ({heads})")
+        return args
 
 
 def _flat_rope(config: dict) -> dict:
