@@ -574,3 +574,20 @@ def test_kv_heads_not_dividing_heads_is_one_line_at_load(model_type):
     with pytest.raises(ConfigError) as e:
         build_model(config, {}, mx.float32)
     one_line_error(e, "model config key 'num_key_value_heads' (3) must divide num_attention_heads (4)")
+
+
+@pytest.mark.parametrize("rows", [100, 160])
+def test_tokenizer_larger_than_the_embedding_is_refused(tmp_path, weights, rows):
+    """A 128-token tokenizer over a 100-row embedding loaded and generated garbage; now a one-line ConfigError
+    naming both sizes. More rows than tokens (a padded embedding) is normal and loads."""
+    small = dict(weights)
+    emb = weights["model.embed_tokens.weight"]
+    small["model.embed_tokens.weight"] = mx.concatenate([emb, emb])[:rows]
+    d = make_dir(tmp_path / "m", small, config={**CONFIG, "vocab_size": rows})
+    if rows > len(VOCAB):
+        assert load(d).model.args.vocab_size == rows
+        return
+    with pytest.raises(ConfigError) as e:
+        load(d)
+    one_line_error(e, f"{d / 'tokenizer.json'}: the tokenizer has {len(VOCAB)} tokens, more than the vocab_size "
+                      f"{rows} of {d / 'config.json'}")
