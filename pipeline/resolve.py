@@ -52,6 +52,11 @@ ALIASES: dict[str, WheelModel] = {
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _is_repo_id(spec: str) -> bool:
+    """``owner/name``; one ending in ``.gguf`` (any case) is a missing file ("models/m.gguf"), not a repo."""
+    return bool(_REPO_ID.match(spec)) and not spec.lower().endswith(".gguf")
 HUB_CONNECT_TIMEOUT_S = 5.0  # the check before a hub download: name lookup and TCP connect
 _MODEL_DIR_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt"]  # what a model directory repo is fetched with
 
@@ -111,7 +116,7 @@ def check_model_spec(spec: str) -> None:
         if path.is_file() and path.suffix == ".gguf":
             return
         raise ModelResolveError(f"model file {spec!r} is not a .gguf file or a model directory")
-    elif _REPO_ID.match(spec) or (spec.endswith(".gguf") and spec.count("/") == 2
+    elif _is_repo_id(spec) or (spec.endswith(".gguf") and spec.count("/") == 2
                                   and _REPO_ID.match(spec.rsplit("/", 1)[0])):
         return
     raise ModelResolveError(
@@ -150,7 +155,7 @@ def resolve_model(spec: str, *, pip_args: tuple[str, ...] = (), progress: bool =
     if spec.endswith(".gguf") and spec.count("/") == 2 and _REPO_ID.match(spec.rsplit("/", 1)[0]):
         repo, filename = spec.rsplit("/", 1)
         return _hub_download(repo, filename)
-    if _REPO_ID.match(spec):
+    if _is_repo_id(spec):
         return _hub_download(spec, None)
     raise ModelResolveError(
         f"model {spec!r} is not a built-in alias ({', '.join(ALIASES)}), an existing .gguf file, "

@@ -146,8 +146,9 @@ def test_unreachable_hub_is_a_clear_error(monkeypatch):
 
 
 def test_unknown_spec_and_wrong_files(tmp_path):
-    with pytest.raises(ModelResolveError, match="not a built-in alias"):
-        resolve_model("no such model")
+    for spec in ("no such model", "models/missing.gguf"):
+        with pytest.raises(ModelResolveError, match="not a built-in alias"):
+            resolve_model(spec)
     txt = tmp_path / "model.bin"
     txt.write_bytes(b"x")
     with pytest.raises(ModelResolveError, match="not a .gguf"):
@@ -161,7 +162,8 @@ def test_check_model_spec_without_downloading(tmp_path):
         check_model_spec(good)
     (tmp_path / "m.gguf").write_bytes(b"x")
     check_model_spec(str(tmp_path / "m.gguf"))
-    for bad in ("no such model", "/nonexistent/dir/x.gguf"):
+    # a relative path of one slash to a missing .gguf was taken as a repo id (and looked up on the hub)
+    for bad in ("no such model", "/nonexistent/dir/x.gguf", "models/missing.gguf", "models/missing.GGUF"):
         with pytest.raises(ModelResolveError, match="not a built-in alias"):
             check_model_spec(bad)
     # an existing directory or file says what is wrong with it (the directory said "not a built-in alias ...")
@@ -296,3 +298,18 @@ def test_connection_check_is_bounded_and_goes_through_the_proxy(monkeypatch):
     assert hub_unreachable("https://hub.example", timeout=0.2) == "hub.example:443: no connection within 0.2 s"
     assert not answer.is_set()  # it returned while the lookup was still hanging
     answer.set()
+
+
+def test_inspect_of_a_missing_relative_gguf_path_is_exit_2(tmp_path, monkeypatch):
+    """`pipeline inspect models/missing.gguf` went to the hub as a repo id; it now fails as ./models/missing.gguf
+    does: one line, exit 2, before any download."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for spec in ("./models/missing.gguf", "models/missing.gguf"):
+        result = CliRunner().invoke(main, ["inspect", spec])
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith(f"error: model {spec!r} is not a built-in alias"), result.output
+        assert "an existing .gguf file" in result.output and result.output.count("\n") == 1
