@@ -560,8 +560,9 @@ def make_caches(model, spec=None) -> list:
         - ``max_kv_size``: full layers become ``RotatingKVCache(max_kv_size)``; sliding layers keep
           ``min(their window, max_kv_size)`` (a smaller window of the model's own is kept, as it is part
           of the architecture; a larger one is cut, as ``max_kv_size`` bounds every layer's memory).
-          mlx-lm's ``make_prompt_cache(max_kv_size=...)`` instead makes every layer
-          ``RotatingKVCache(max_kv_size)``, widening sliding windows smaller than it.
+          mlx-lm 0.32's ``make_prompt_cache(max_kv_size=...)`` instead makes every layer (of a model without
+          its own ``make_cache``) ``RotatingKVCache(max_kv_size, keep=4)``: it also keeps the first 4 positions
+          for good, where these windows are exactly the most recent positions.
         - ``kv_bits``: each layer becomes the quantized variant of its kind (``QuantizedKVCache`` /
           ``RotatingQuantizedKVCache``) with ``kv_group_size`` and ``start=quantized_kv_start``.
 
