@@ -51,8 +51,8 @@ MODEL_DIR_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokeni
 def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     """Refuse a ``dst`` that exists, unless ``overwrite`` and it is an empty directory or one an earlier
     convert wrote (regular files named in ``MODEL_DIR_FILES``, ``config.json`` among them) not holding
-    ``src`` nor the current directory (which would be left deleted under the shell): anything else in it would be deleted with it, as ``export --overwrite`` refuses a directory that
-    is not a saved dataset."""
+    ``src`` nor the current directory (which would be left deleted under the shell): anything else in it
+    would be deleted with it, as ``export --overwrite`` refuses a directory that is not a saved dataset."""
     if not (dst.exists() or dst.is_symlink()):
         return
     if not overwrite:

@@ -53,12 +53,13 @@ ALIASES: dict[str, WheelModel] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
+HUB_CONNECT_TIMEOUT_S = 5.0  # the check before a hub download: name lookup and TCP connect
+_MODEL_DIR_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt"]  # what a model directory repo is fetched with
+
 
 def _is_repo_id(spec: str) -> bool:
     """``owner/name``; one ending in ``.gguf`` (any case) is a missing file ("models/m.gguf"), not a repo."""
     return bool(_REPO_ID.match(spec)) and not spec.lower().endswith(".gguf")
-HUB_CONNECT_TIMEOUT_S = 5.0  # the check before a hub download: name lookup and TCP connect
-_MODEL_DIR_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt"]  # what a model directory repo is fetched with
 
 
 def pipeline_home() -> Path:
