@@ -417,9 +417,10 @@ class CacheSpec:
             (positions reach the device as int32); None: no bound.
         kv_bits: store keys and values quantized to 4 or 8 bits; None: unquantized.
         kv_group_size: elements per quantization group along head_dim: 32, 64 or 128 (must divide the
-            model's head_dim).
+            model's head_dim); only with ``kv_bits`` (otherwise only the default, 64, is accepted).
         quantized_kv_start: positions kept unquantized before the cache switches to quantized storage, in
-            [0, 2**31) (compared with int32 offsets on the device).
+            [0, 2**31) (compared with int32 offsets on the device); only with ``kv_bits`` (otherwise only the
+            default, 0, is accepted).
         prefix_cache_gb: memory (10**9 bytes, on the model's device; in [0, ``MAX_MEMORY_GB``], 10**6) for
             the KV of prompt blocks kept
             across rows, so prompts sharing a prefix reuse it (``pipeline.engine.prefix``); least recently
@@ -441,7 +442,8 @@ class CacheSpec:
     prefix_block_size: int = 32
 
     def check(self):
-        """Raises: JobSpecError: every value out of range."""
+        """Raises: JobSpecError: every value out of range; ``kv_group_size`` or ``quantized_kv_start`` other
+        than its default without ``kv_bits`` (it would do nothing)."""
         bad = _Problems()
         if self.max_kv_size is not None and self.max_kv_size < 1:
             bad.append(f"cache.max_kv_size must be >= 1, got {self.max_kv_size}")
@@ -451,16 +453,24 @@ class CacheSpec:
             bad.append(f"cache.kv_bits must be 4 or 8, got {self.kv_bits}")
         if self.kv_group_size not in (32, 64, 128):
             bad.append(f"cache.kv_group_size must be 32, 64 or 128, got {self.kv_group_size}")
+        elif self.kv_bits is None and self.kv_group_size != CacheSpec.kv_group_size:
+            bad.append(_without_kv_bits("kv_group_size", self.kv_group_size))
         if self.quantized_kv_start < 0:
             bad.append(f"cache.quantized_kv_start must be >= 0, got {self.quantized_kv_start}")
         elif self.quantized_kv_start >= INT32_LIMIT:
             bad.append(f"cache.quantized_kv_start must be < 2**31, got {self.quantized_kv_start}")
+        elif self.kv_bits is None and self.quantized_kv_start != CacheSpec.quantized_kv_start:
+            bad.append(_without_kv_bits("quantized_kv_start", self.quantized_kv_start))
         if not 0 <= self.prefix_cache_gb <= MAX_MEMORY_GB:
             bad.append(f"cache.prefix_cache_gb must be a number >= 0 and <= {MAX_MEMORY_GB} (GB), "
                        f"got {self.prefix_cache_gb}")
         if not 1 <= self.prefix_block_size <= 4096:
             bad.append(f"cache.prefix_block_size must be in [1, 4096], got {self.prefix_block_size}")
         bad.raise_any()
+
+
+def _without_kv_bits(key: str, value: int) -> str:
+    return f"cache.{key}: {value} has no effect without cache.kv_bits; set kv_bits to 4 or 8, or remove {key}"
 
 
 @dataclass

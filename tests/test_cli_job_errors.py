@@ -1,7 +1,7 @@
 """Job-file problems through the real CLI: `pipeline validate` and `pipeline run` print one `error:` line
 naming the key (no traceback) and exit 2 before the model loads: values past their upper bound (generation.n,
-memory sizes in GB, int32 sizes), a template with an unknown filter, a job file that is not UTF-8, a key
-repeated in one mapping, an empty output dir (output.dir or --output-dir), and --ray on a score job."""
+memory sizes in GB, int32 sizes), a cache quantization setting without cache.kv_bits, a template with an
+unknown filter, a job file that is not UTF-8, a key repeated in one mapping, an empty output dir (output.dir or --output-dir), and --ray on a score job."""
 
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ CASES = [
      J + "cache.max_kv_size must be < 2**31, got 99999999999"),
     ("quantized-kv-start-past-int32", BASE + "cache: {kv_bits: 8, quantized_kv_start: 99999999999}\n",
      J + "cache.quantized_kv_start must be < 2**31, got 99999999999"),
+    ("group-size-without-kv-bits", BASE + "cache: {kv_group_size: 32}\n",
+     J + "cache.kv_group_size: 32 has no effect without cache.kv_bits; set kv_bits to 4 or 8, or remove kv_group_size"),
     ("unknown-filter", BASE.replace("  id_column: id\n", '  id_column: id\n  template: "{{ q | nosuchfilter }}"\n'),
      J + "input.template does not compile: No filter named 'nosuchfilter'. (line 1)"),
     ("latin-1", (BASE + "generation:\n  stop: caf\xe9\n").encode("latin-1"),

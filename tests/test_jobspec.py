@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.jobspec import (
+    CacheSpec,
     EngineSpec,
     GenerationSpec,
     InputSpec,
@@ -383,6 +384,47 @@ def test_engine_fused_auto_leaves_the_fingerprint_as_before():
     assert fingerprint(off, {"sha256": "x"})["engine"]["fused"] is False
 
 
+@pytest.mark.parametrize("key, value", [("kv_group_size", 32), ("quantized_kv_start", 100)])
+def test_a_quantization_setting_without_kv_bits_is_one_line_naming_it(key, value):
+    """Without cache.kv_bits the cache is not quantized, so a group size or a start would do nothing."""
+    with pytest.raises(JobSpecError) as e:
+        job_from_dict(minimal(cache={key: value}))
+    assert str(e.value) == (f"cache.{key}: {value} has no effect without cache.kv_bits; set kv_bits to 4 or 8, "
+                            f"or remove {key}")
+    assert getattr(job_from_dict(minimal(cache={key: value, "kv_bits": 4})).cache, key) == value
+
+
+def test_quantization_settings_at_their_defaults_are_accepted_without_kv_bits():
+    """The README's reference block spells out the defaults; a job copied from it is valid."""
+    job = job_from_dict(minimal(cache={"kv_bits": None, "kv_group_size": 64, "quantized_kv_start": 0}))
+    assert job.cache == CacheSpec()
+
+
+# The cache section of the fingerprint of a job without kv_bits, as output dirs written so far record it.
+UNQUANTIZED_CACHE_FP = '{"max_kv_size": null, "kv_bits": null, "kv_group_size": 64, "quantized_kv_start": 0, ' \
+                       '"prefix_block_size": 32}'
+
+
+def test_the_fingerprint_of_an_unquantized_cache_holds_no_quantization_settings():
+    """Without kv_bits the fingerprint records kv_group_size and quantized_kv_start at their defaults, the
+    keys kept: the fingerprint of a job without kv_bits is as before (its output dirs resume), and a spec
+    built without ``check`` (stray settings that do nothing) does not change it."""
+    import json
+
+    from pipeline.run import fingerprint
+
+    def cache_fp(cache) -> str:
+        job = job_from_dict(minimal())
+        job.cache = cache
+        return json.dumps(fingerprint(job, {"sha256": "x"})["cache"])
+
+    assert json.dumps(fingerprint(job_from_dict(minimal()), {"sha256": "x"})["cache"]) == UNQUANTIZED_CACHE_FP
+    assert cache_fp(CacheSpec(kv_group_size=64, quantized_kv_start=0)) == UNQUANTIZED_CACHE_FP
+    assert cache_fp(CacheSpec(kv_group_size=32, quantized_kv_start=100)) == UNQUANTIZED_CACHE_FP
+    quantized = json.loads(cache_fp(CacheSpec(kv_bits=8, kv_group_size=32, quantized_kv_start=100)))
+    assert (quantized["kv_bits"], quantized["kv_group_size"], quantized["quantized_kv_start"]) == (8, 32, 100)
+
+
 def test_top_level_help_lists_every_exit_status():
     out = _pipeline_cli("--help").stdout
     assert "3    run: done, but some rows failed; their error column says why" in out
@@ -489,7 +531,7 @@ def test_values_past_their_upper_bound_are_one_line_naming_the_key(data, message
 
 def test_values_at_their_upper_bound_are_accepted():
     job = job_from_dict(minimal(generation={"n": 65536}, cache={"max_kv_size": 2**31 - 1, "prefix_cache_gb": 1e6,
-                                                               "quantized_kv_start": 2**31 - 1},
+                                                               "kv_bits": 8, "quantized_kv_start": 2**31 - 1},
                                 engine={"max_kv_memory_gb": 1e6, "prefill_step_size": 2**31 - 1,
                                         "batch_size": 2**31 - 1}))
     assert (job.generation.n, job.cache.max_kv_size, job.engine.batch_size) == (65536, 2**31 - 1, 2**31 - 1)

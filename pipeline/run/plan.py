@@ -17,7 +17,7 @@ from ..engine import GenerateParams
 from ..engine.sampler import row_seed
 from ..errors import RowError
 from ..inputs import InputRow, dataset_files, input_files, local_dataset
-from ..jobspec import GenerationSpec, JobSpec, JobSpecError, structured_from_cell, with_overrides
+from ..jobspec import CacheSpec, GenerationSpec, JobSpec, JobSpecError, structured_from_cell, with_overrides
 from ..loader import LoadedModel, model_identity
 from ..prompts import Prompt, build_prompt
 from ..resolve import resolve_model
@@ -88,7 +88,11 @@ def _cache_settings(cache) -> dict:
     """The cache settings that shape a row's arithmetic: every ``CacheSpec`` field but ``prefix_cache_gb``,
     whose size changes only what is reused, not the result (reused KV is what the one-block prefill chunks
     compute); ``prefix_block_size`` is None with prefix caching off (prefill chunks of
-    ``engine.prefill_step_size`` then)."""
+    ``engine.prefill_step_size`` then). Without ``kv_bits``, ``kv_group_size`` and ``quantized_kv_start`` are
+    recorded at their defaults (they do nothing then; the keys stay, so fingerprints written before hold)."""
+    if cache.kv_bits is None:
+        cache = dataclasses.replace(cache, kv_group_size=CacheSpec.kv_group_size,
+                                    quantized_kv_start=CacheSpec.quantized_kv_start)
     out = dataclasses.asdict(cache)
     gb = out.pop("prefix_cache_gb")
     if not gb:
