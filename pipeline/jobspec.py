@@ -130,7 +130,8 @@ class InputSpec:
             data cannot forge chat turns; only the chat template's own markup yields special tokens.
             True encodes the whole rendered prompt with special tokens parsed, as HF transformers does.
         truncate: a prompt that does not fit the model's context (with room for one generated token):
-            "error" fails the row; "left" drops its first tokens (keeping BOS); "right" drops its last.
+            "error" fails the row; "left" drops its first tokens (keeping a BOS the tokenizer adds,
+            ``Tokenizer.add_bos_token``); "right" drops its last.
         row_overrides: input columns named like generation keys (``ROW_OVERRIDES``: max_tokens,
             temperature, stop, ...) set that key for their row where non-null; false ignores them.
         choices_column: ``task: score``: column of lists of strings, the continuations (choices) scored

@@ -237,7 +237,9 @@ def row_generation(job: JobSpec, row: InputRow) -> GenerationSpec | str:
 
 def fit_context(ids: list[int], lm: LoadedModel, policy: str) -> list[int]:
     """``ids`` cut to leave room for at least one generated token, per ``input.truncate``: "left" drops
-    the first tokens (a leading BOS stays), "right" the last.
+    the first tokens (a leading BOS stays when the tokenizer adds one, ``Tokenizer.add_bos_token``: a
+    template's first token that merely shares the BOS id, SmolLM2's ``<|im_start|>``, is cut like the
+    rest), "right" the last.
 
     Raises:
         RowError: the prompt does not fit and the policy is "error".
@@ -250,7 +252,8 @@ def fit_context(ids: list[int], lm: LoadedModel, policy: str) -> list[int]:
                        "(input.truncate: left or right cuts it to fit)")
     if policy == "right":
         return ids[:room]
-    keep = ids[:1] if ids[0] == lm.tokenizer.bos_token_id else []
+    tok = lm.tokenizer
+    keep = ids[:1] if tok.add_bos_token and ids[0] == tok.bos_token_id else []
     return keep + ids[len(ids) - (room - len(keep)):]
 
 
