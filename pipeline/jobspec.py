@@ -131,7 +131,7 @@ class InputSpec:
             True encodes the whole rendered prompt with special tokens parsed, as HF transformers does.
         truncate: a prompt that does not fit the model's context (with room for one generated token):
             "error" fails the row; "left" drops its first tokens (keeping a BOS the tokenizer adds,
-            ``Tokenizer.add_bos_token``); "right" drops its last.
+            ``Tokenizer.add_bos_token``); "right" drops its last. The first row cut is logged, once per run.
         row_overrides: input columns named like generation keys (``ROW_OVERRIDES``: max_tokens,
             temperature, stop, ...) set that key for their row where non-null; false ignores them.
         choices_column: ``task: score``: column of lists of strings, the continuations (choices) scored

@@ -274,19 +274,28 @@ def test_second_ctrl_c_aborts_at_once_without_corrupting(tiny, tmp_path):
 
 @pytest.mark.parametrize("policy", ["error", "left", "right"])
 def test_prompt_longer_than_context_follows_input_truncate(tiny, tmp_path, policy):
+    """A cut prompt keeps 511 tokens (one position left to generate); the first cut row is logged, once."""
     long = " ".join(f"w{i}" for i in range(600))  # > 512 positions of the tiny model
-    data = write_input(tmp_path / "in.parquet", [long, "short prompt"])
+    data = write_input(tmp_path / "in.parquet", [long, "short prompt", long + " again"])
     job = write_job(tmp_path, tiny, data, input_extra={"truncate": policy, "apply_chat_template": False},
                     max_tokens=3)
-    run_cli("run", str(job), "--no-progress", expect=3 if policy == "error" else 0)
+    proc = run_cli("run", str(job), "--no-progress", expect=3 if policy == "error" else 0)
     rows = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
     assert rows["r1"]["error"] is None
+    notes = [line for line in proc.stderr.splitlines() if "input.truncate" in line]
     if policy == "error":
         assert rows["r0"]["error"].startswith("prompt has ") and \
             rows["r0"]["error"].endswith("tokens; the model's context is 512 (input.truncate: left or right cuts it to fit)")
+        assert notes == []
     else:
         assert rows["r0"]["error"] is None and rows["r0"]["prompt_tokens"] == 511
         assert rows["r0"]["completion_tokens"] == 1  # the one position left
+        assert len(notes) == 1, proc.stderr
+        n_prompt = int(notes[0].split(" of its ")[1].split()[0])
+        side = "start" if policy == "left" else "end"
+        assert notes[0].endswith(f"row 'r0': input.truncate: {policy} cut {n_prompt - 511} of its {n_prompt} prompt "
+                                 f"tokens (from the {side}) to fit the model's context of 512; later cut rows are "
+                                 "not logged (prompt_tokens gives each row's kept length)")
 
 
 def test_status_reports_progress(tiny, tmp_path):

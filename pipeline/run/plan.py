@@ -257,6 +257,14 @@ def fit_context(ids: list[int], lm: LoadedModel, policy: str) -> list[int]:
     return keep + ids[len(ids) - (room - len(keep)):]
 
 
+def truncation_note(row_id, n_prompt: int, n_kept: int, policy: str, context_length: int) -> str:
+    """The once-per-run line that says a prompt of ``n_prompt`` tokens was cut to ``n_kept`` (``fit_context``)."""
+    side = "start" if policy == "left" else "end"
+    return (f"row {row_id!r}: input.truncate: {policy} cut {n_prompt - n_kept} of its {n_prompt} prompt tokens "
+            f"(from the {side}) to fit the model's context of {context_length}; later cut rows are not logged "
+            "(prompt_tokens gives each row's kept length)")
+
+
 def failed_result(row: InputRow, sample_index: int, seed: int, text: str | None, error: str, t0: float) -> Result:
     """The output row of a sample that failed with ``error`` (the ``error`` column's text); ``t0`` is when it
     started (``time.perf_counter()``), so ``total_s`` counts the seconds since."""
@@ -317,6 +325,9 @@ def prepare_sample(lm: LoadedModel, job: JobSpec, row: InputRow, sample_index: i
             raise prompt
         s.text = prompt.text
         s.ids = fit_context(prompt.token_ids, lm, job.input.truncate)
+        if len(s.ids) < len(prompt.token_ids):
+            lm.engine.note(truncation_note(row.id, len(prompt.token_ids), len(s.ids), job.input.truncate,
+                                           lm.engine.context_length), kind="truncate")
         s.params = generate_params(gen, seed)
     except RowError as e:
         s.failed = failed_result(row, sample_index, seed, s.text, str(e), t0)
