@@ -62,6 +62,9 @@ def render_chat_template(
 ) -> str:
     """Render ``messages`` (a list of ``{"role", "content"}`` dicts) with a jinja2 chat template.
 
+    ``tools`` and ``documents`` are None unless ``extra`` gives them, as ``transformers``' ``apply_chat_template``
+    passes them, so a template's ``tools is not none`` branch is not taken.
+
     Returns the prompt text, special tokens written out as text.
 
     Raises:
@@ -76,7 +79,7 @@ def render_chat_template(
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
-            **extra,
+            **{"tools": None, "documents": None, **extra},
         )
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from None

@@ -1,0 +1,64 @@
+"""Chat templates rendered as ``transformers`` renders them (pipeline.chat_template, through
+``Tokenizer.apply_chat_template`` and ``build_prompt``): each case is checked against
+``PreTrainedTokenizerFast.apply_chat_template`` with the same template, tokenizer and messages."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pipeline.gguf import read_gguf
+from pipeline.inputs import InputRow
+from pipeline.jobspec import InputSpec
+from pipeline.prompts import RowError, build_prompt
+from pipeline.resolve import resolve_model
+from pipeline.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="module")
+def smol() -> Tokenizer:
+    return read_gguf(resolve_model("smollm2-135m-instruct")).tokenizer
+
+
+def with_template(smol: Tokenizer, template: str) -> tuple[Tokenizer, object]:
+    """Our tokenizer and transformers' for SmolLM2's vocabulary with ``template`` (BOS <|im_start|>, EOS <|im_end|>)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    ours = Tokenizer(HFTokenizer.from_str(smol.to_str()), bos_token_id=smol.bos_token_id,
+                     eos_token_ids=smol.eos_token_ids, add_bos_token=False, chat_template=template)
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(smol.to_str()),
+                                                  chat_template=template, bos_token=ours.bos_token,
+                                                  eos_token=ours.eos_token)
+    return ours, theirs
+
+
+def hf_text(theirs, messages) -> str:
+    return theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def row(messages) -> InputRow:
+    return InputRow(index=0, id=0, prompt=None, messages=messages)
+
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+# --- tools and documents: None, as transformers passes them --------------------------------------------
+
+TOOLS_TEMPLATE = ("{%- if tools is not none %}<|im_start|>system\nYou can call: {{ tools | tojson }}<|im_end|>\n"
+                  "{% endif %}{% if documents is not none %}[docs]{% endif %}"
+                  "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_and_documents_are_none(smol):
+    ours, theirs = with_template(smol, TOOLS_TEMPLATE)
+    expected = hf_text(theirs, MESSAGES)
+    assert "You can call" not in expected and "[docs]" not in expected
+    assert ours.apply_chat_template(MESSAGES) == expected
+    ids = build_prompt(row(MESSAGES), InputSpec(path="x", messages_column="m"), ours).token_ids
+    assert ids == theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
