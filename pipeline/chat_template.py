@@ -69,8 +69,9 @@ def render_chat_template(
 
     Raises:
         ChatTemplateCompileError: the template does not compile.
-        ChatTemplateError: rendering failed (for example the template called ``raise_exception`` on an
-            unsupported role order).
+        ChatTemplateError: rendering failed: the template called ``raise_exception`` (on an unsupported role
+            order, say) or its code raised any other exception on these messages (a ``TypeError`` of
+            ``m.content + 1``), named with its type.
     """
     template = compile_chat_template(source)
     try:
@@ -83,3 +84,5 @@ def render_chat_template(
         )
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from None
+    except Exception as e:  # the template's own code failed on this data (`m.content + 1`, `x.index(y)`, ...)
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None

@@ -62,3 +62,26 @@ def test_tools_and_documents_are_none(smol):
     assert ours.apply_chat_template(MESSAGES) == expected
     ids = build_prompt(row(MESSAGES), InputSpec(path="x", messages_column="m"), ours).token_ids
     assert ids == theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
+
+
+# --- any exception the template's code raises while rendering fails the row, not the run ---------------
+
+@pytest.mark.parametrize("expression, name", [
+    ("m.content + 1", "TypeError"),
+    ("m.content.index('absent')", "ValueError"),
+    ("(messages | length) // 0", "ZeroDivisionError"),
+])
+def test_exception_raised_while_rendering_is_row_error(smol, expression, name):
+    template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                "{% if m.content == 'boom' %}{{ " + expression + " }}{% endif %}<|im_end|>\n{% endfor %}")
+    ours, theirs = with_template(smol, template)
+    boom = [{"role": "user", "content": "boom"}]
+    with pytest.raises(Exception) as raised:
+        hf_text(theirs, boom)
+    assert type(raised.value).__name__ == name  # transformers raises it too
+    spec = InputSpec(path="x", messages_column="m")
+    with pytest.raises(RowError) as failed:
+        build_prompt(row(boom), spec, ours)
+    assert f"{name}: {raised.value}" in str(failed.value) and "\n" not in str(failed.value)
+    # other rows of the same template render as transformers renders them
+    assert ours.decode(build_prompt(row(MESSAGES), spec, ours).token_ids) == hf_text(theirs, MESSAGES)
