@@ -2,8 +2,8 @@
 
 Source of the environment settings: ``transformers.utils.chat_template_utils._compile_jinja_template``
 (an ``ImmutableSandboxedEnvironment`` with ``trim_blocks``, ``lstrip_blocks``, the ``loopcontrols``
-extension, a ``tojson`` filter that keeps non-ASCII text, and the globals ``raise_exception`` and
-``strftime_now``).
+extension, the ``{% generation %}`` tag, a ``tojson`` filter that keeps non-ASCII text, and the globals
+``raise_exception`` and ``strftime_now``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from datetime import datetime
 from functools import lru_cache
 
 import jinja2
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -23,6 +23,21 @@ class ChatTemplateError(ValueError):
 
 class ChatTemplateCompileError(ChatTemplateError):
     """The chat template does not compile: a fault of the model's files, not of any row."""
+
+
+class _Generation(Extension):
+    """``{% generation %}...{% endgeneration %}``, rendered as its body. ``transformers``' ``AssistantTracker``
+    also records where the body lies in the text (its ``return_assistant_tokens_mask``), which nothing here uses."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
 
 
 def _raise_exception(message: str):
@@ -40,7 +55,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     Raises:
         ChatTemplateCompileError: the template does not compile.
     """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

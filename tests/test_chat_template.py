@@ -85,3 +85,22 @@ def test_exception_raised_while_rendering_is_row_error(smol, expression, name):
     assert f"{name}: {raised.value}" in str(failed.value) and "\n" not in str(failed.value)
     # other rows of the same template render as transformers renders them
     assert ours.decode(build_prompt(row(MESSAGES), spec, ours).token_ids) == hf_text(theirs, MESSAGES)
+
+
+# --- {% generation %} (transformers' AssistantTracker): the body rendered as it is ---------------------
+
+GENERATION_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                       "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}"
+                       "{% else %}{{ m.content }}<|im_end|>{% endif %}\n{% endfor %}"
+                       "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_generation_block_renders_its_body(smol):
+    ours, theirs = with_template(smol, GENERATION_TEMPLATE)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                {"role": "user", "content": "Bye"}]
+    expected = hf_text(theirs, messages)
+    assert "Hello!<|im_end|>" in expected
+    assert ours.apply_chat_template(messages) == expected
+    ids = build_prompt(row(messages), InputSpec(path="x", messages_column="m"), ours).token_ids
+    assert ids == theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
