@@ -66,6 +66,22 @@ def compile_chat_template(source: str) -> jinja2.Template:
                                        "files or set input.apply_chat_template: false") from None
 
 
+# Names a message's reasoning comes under, the one templates read first (transformers' ``_REASONING_FIELDS``).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning_fields(messages: list[dict]) -> list[dict]:
+    """Messages with a reasoning under any of ``_REASONING_FIELDS`` also given it as ``reasoning_content`` (the
+    first non-None of them, so an existing ``reasoning_content`` stands) and, where absent, as ``thinking``
+    (gpt-oss templates read that): ``transformers.utils.chat_template_utils._alias_reasoning_fields``."""
+    out = []
+    for m in messages:
+        given = [m.get(k) for k in _REASONING_FIELDS] if isinstance(m, dict) else []
+        reasoning = next((v for v in given if v is not None), None)
+        out.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
+    return out
+
+
 def render_chat_template(
     source: str,
     messages: list[dict],
@@ -78,7 +94,8 @@ def render_chat_template(
     """Render ``messages`` (a list of ``{"role", "content"}`` dicts) with a jinja2 chat template.
 
     ``tools`` and ``documents`` are None unless ``extra`` gives them, as ``transformers``' ``apply_chat_template``
-    passes them, so a template's ``tools is not none`` branch is not taken.
+    passes them, so a template's ``tools is not none`` branch is not taken. A message's ``thinking`` or
+    ``reasoning`` is given to the template as ``reasoning_content`` too (``_alias_reasoning_fields``).
 
     Returns the prompt text, special tokens written out as text.
 
@@ -89,6 +106,7 @@ def render_chat_template(
             ``m.content + 1``), named with its type.
     """
     template = compile_chat_template(source)
+    messages = _alias_reasoning_fields(messages)
     try:
         return template.render(
             messages=messages,

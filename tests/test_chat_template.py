@@ -104,3 +104,31 @@ def test_generation_block_renders_its_body(smol):
     assert ours.apply_chat_template(messages) == expected
     ids = build_prompt(row(messages), InputSpec(path="x", messages_column="m"), ours).token_ids
     assert ids == theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+
+
+# --- a message's reasoning under `thinking` or `reasoning` is `reasoning_content` too -----------------
+
+REASONING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                      "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+                      "{% if m.thinking is defined %}[thinking: {{ m.thinking }}]{% endif %}"
+                      "{{ m.content }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("reasoning", [
+    {"reasoning": "r"},
+    {"thinking": "t"},
+    {"thinking": "t", "reasoning": "r"},
+    {"reasoning_content": "rc", "thinking": "t"},
+    {"reasoning_content": "rc"},
+    {"reasoning": None, "thinking": "t"},  # None-valued keys, as Arrow gives them, are dropped first
+], ids=["reasoning", "thinking", "both", "content-and-thinking", "content", "null-reasoning"])
+def test_reasoning_fields_are_aliased(smol, reasoning):
+    ours, theirs = with_template(smol, REASONING_TEMPLATE)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", **reasoning},
+                {"role": "user", "content": "Bye"}]
+    expected = hf_text(theirs, messages)
+    assert "<think>" in expected
+    assert ours.decode(build_prompt(row(messages), InputSpec(path="x", messages_column="m"), ours).token_ids) \
+        == expected
+    assert messages[1] == {"role": "assistant", "content": "Hello!", **reasoning}  # the row is not modified
