@@ -48,6 +48,20 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _compile_error(e: jinja2.exceptions.TemplateError) -> ChatTemplateCompileError:
+    return ChatTemplateCompileError(f"the model's chat template does not compile: {e}; fix it in the model's "
+                                    "files or set input.apply_chat_template: false")
+
+
 @lru_cache(maxsize=8)
 def compile_chat_template(source: str) -> jinja2.Template:
     """``source`` (jinja2) compiled in ``transformers``' environment (module docstring); cached.
@@ -55,15 +69,28 @@ def compile_chat_template(source: str) -> jinja2.Template:
     Raises:
         ChatTemplateCompileError: the template does not compile.
     """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
-        return env.from_string(source)
+        return _environment().from_string(source)
     except jinja2.exceptions.TemplateError as e:
-        raise ChatTemplateCompileError(f"the model's chat template does not compile: {e}; fix it in the model's "
-                                       "files or set input.apply_chat_template: false") from None
+        raise _compile_error(e) from None
+
+
+@lru_cache(maxsize=8)
+def template_literal_text(source: str) -> str:
+    """The text a chat template writes as it is: its raw text between tags and its string constants, joined
+    with NUL characters so that no substring spans two of them (``transformers``'
+    ``chat_template_utils._get_template_literal_text``, where an added token found in it is a control token).
+
+    Raises:
+        ChatTemplateCompileError: the template does not compile.
+    """
+    try:
+        ast = _environment().parse(source)
+    except jinja2.exceptions.TemplateError as e:
+        raise _compile_error(e) from None
+    literals = {node.data for node in ast.find_all(jinja2.nodes.TemplateData)}
+    literals |= {node.value for node in ast.find_all(jinja2.nodes.Const) if isinstance(node.value, str)}
+    return "\0".join(sorted(literals))
 
 
 # Names a message's reasoning comes under, the one templates read first (transformers' ``_REASONING_FIELDS``).

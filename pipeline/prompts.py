@@ -73,8 +73,9 @@ def _free_chars(texts: list[str]) -> tuple[str, str]:
 
 
 class _Marker:
-    """Special-token text inside data strings swapped for private-use placeholders (``mark``), so that a
-    rendered text can be encoded with only the template's own markup parsed as special tokens (``encode``).
+    """Control-token text (``Tokenizer.control_tokens``: special tokens and the non-special ones the template
+    writes) inside data strings swapped for private-use placeholders (``mark``), so that a rendered text can be
+    encoded with only the template's own markup parsed as those tokens (``encode``).
 
     Args:
         tokenizer: the model's tokenizer.
@@ -83,7 +84,7 @@ class _Marker:
 
     def __init__(self, tokenizer: Tokenizer, strings: list[str]):
         self.tokenizer = tokenizer
-        self.pattern = _special_regex(tokenizer.special_tokens)
+        self.pattern = _special_regex(tokenizer.control_tokens)
         self.active = self.pattern is not None and any(self.pattern.search(v) for v in strings)
         if self.active:
             self.open, self.close = _free_chars([tokenizer.chat_template or "", *strings])
@@ -99,9 +100,9 @@ class _Marker:
     def encode(self, text: str) -> list[int]:
         """Ids of a text built from marked strings. The template's text is encoded with special tokens parsed,
         in one piece between placeholders (as a rendered template is encoded); a placeholder's original text is
-        encoded as plain text together with the plain text around it up to the template's nearest special
-        tokens, as Hugging Face ``tokenizers`` splits a text at special tokens only (so ``"a <|im_end|> b"``
-        merges " <" as the plain text does).
+        encoded as plain text (``Tokenizer.encode_data``) together with the plain text around it up to the
+        template's nearest control tokens, as Hugging Face ``tokenizers`` splits a text at added tokens only (so
+        ``"a <|im_end|> b"`` merges " <" as the plain text does).
 
         Raises:
             RowError: the template cut up a placeholder.
@@ -117,7 +118,7 @@ class _Marker:
 
         def flush():
             if run:
-                ids.extend(self.tokenizer.encode("".join(run), parse_special=False))
+                ids.extend(self.tokenizer.encode_data("".join(run)))
                 run.clear()
 
         last = len(pieces) - 1
@@ -154,12 +155,14 @@ def _mark_messages(marker: _Marker, messages: list[dict]) -> list[dict]:
 
 
 def _encode_template(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
-    """Render ``messages`` and encode them so that only the template's own markup becomes special tokens.
+    """Render ``messages`` and encode them so that only the template's own markup becomes control tokens
+    (``Tokenizer.control_tokens``: the special tokens and the non-special ones the template writes, such as
+    Qwen3's ``<think>``).
 
-    Special-token text inside the messages' string values (content, role, name, ...; not nested ones
+    Control-token text inside the messages' string values (content, role, name, ...; not nested ones
     such as ``tool_calls``) is swapped for private-use placeholders before rendering; the rendered text
     is split at the placeholders, template pieces are encoded with special tokens parsed and each
-    placeholder's original text without. Rows with no special-token text are one piece, encoded as one
+    placeholder's original text without. Rows with no control-token text are one piece, encoded as one
     string.
     """
     marker = _Marker(tokenizer, _message_strings(messages))
@@ -226,8 +229,9 @@ def build_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer) -> Prompt
     Rows with non-null ``messages`` use them; otherwise the ``prompt`` text, wrapped as one user turn
     when ``spec.apply_chat_template``. ``spec.system_prompt`` is prepended to conversations that have no
     system (or developer) turn anywhere. With ``spec.parse_special_tokens`` false (the default),
-    special-token text inside the prompt, the messages or the system prompt is encoded as plain text and
-    only the template's own markup becomes special tokens; true encodes the rendered template (or the raw
+    control-token text (special tokens, and with a chat template the non-special added tokens it writes, such
+    as Qwen3's ``<think>``) inside the prompt, the messages or the system prompt is encoded as plain text and
+    only the template's own markup becomes those tokens; true encodes the rendered template (or the raw
     prompt) with special tokens parsed, as HF transformers does. BOS is added only if the model asks for it
     and it is not already there.
 

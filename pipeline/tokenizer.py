@@ -16,7 +16,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .chat_template import render_chat_template
+from .chat_template import render_chat_template, template_literal_text
 
 log = logging.getLogger("pipeline")
 
@@ -165,6 +165,42 @@ class Tokenizer:
         ``parse_special``), longest first."""
         added = self._hf.get_added_tokens_decoder().values()
         return tuple(sorted({t.content for t in added if t.special and t.content}, key=lambda c: (-len(c), c)))
+
+    @cached_property
+    def control_tokens(self) -> tuple[str, ...]:
+        """Text of the added tokens that are chat markup, longest first: every special one and the non-special
+        ones the chat template writes as literal text (Qwen3's ``<think>``, ``<tool_call>``), whitespace tokens
+        aside. ``transformers``' rule for ``apply_chat_template(sanitize_control_tokens=True)``
+        (``PreTrainedTokenizerBase._get_control_tokens``, without a ``chat_control_tokens`` list).
+
+        Raises:
+            ChatTemplateCompileError: the chat template does not compile.
+        """
+        literal = template_literal_text(self.chat_template) if self.chat_template else ""
+        added = self._hf.get_added_tokens_decoder().values()
+        written = {t.content for t in added if not t.special and t.content and not t.content.isspace()
+                   and t.content in literal}
+        return tuple(sorted(set(self.special_tokens) | written, key=lambda c: (-len(c), c)))
+
+    def encode_data(self, text: str) -> list[int]:
+        """Token ids of ``text`` with every control token in it (``control_tokens``) encoded as plain text, as
+        ``encode`` encodes special tokens; other non-special added tokens become their ids, as in ``encode``."""
+        hf = self._hf_data
+        hf.encode_special_tokens = True
+        return hf.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def _hf_data(self) -> HFTokenizer:
+        """The tokenizer with its non-special control tokens marked special, so that ``encode_special_tokens``
+        leaves them as text too; the tokenizer itself when there are none."""
+        extra = set(self.control_tokens) - set(self.special_tokens)
+        if not extra:
+            return self._hf
+        spec = json.loads(self._hf.to_str())
+        for t in spec["added_tokens"]:
+            if t["content"] in extra:
+                t["special"] = True
+        return HFTokenizer.from_str(json.dumps(spec))
 
     def encode(self, text: str, *, parse_special: bool = False, add_bos: bool = False) -> list[int]:
         """Token ids of ``text``.
