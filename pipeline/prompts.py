@@ -178,10 +178,19 @@ def _render(tokenizer: Tokenizer, messages: list[dict]) -> str:
         raise RowError(str(e)) from None
 
 
-def _with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
-    if tokenizer.add_bos_token and tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
-        return [tokenizer.bos_token_id, *ids]
-    return ids
+def _with_bos(tokenizer: Tokenizer, ids: list[int], templated: bool = False) -> list[int]:
+    """``ids`` with the BOS id in front where the model asks for one and they do not start with it. ``templated``
+    (a rendered chat template): a BOS after only whitespace tokens counts too (a template writing
+    ``"\n" + bos_token``), and the ids stay as they are, as ``transformers``' ``apply_chat_template`` leaves them."""
+    bos = tokenizer.bos_token_id
+    if not tokenizer.add_bos_token or bos is None:
+        return ids
+    for i in ids:
+        if i == bos:
+            return ids
+        if not templated or tokenizer.decode([i]).strip():
+            break
+    return [bos, *ids]
 
 
 def row_messages(row: InputRow, spec: InputSpec, empty_prompt: bool = False) -> tuple[str | None, list[dict] | None]:
@@ -233,7 +242,7 @@ def build_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer) -> Prompt
     as Qwen3's ``<think>``) inside the prompt, the messages or the system prompt is encoded as plain text and
     only the template's own markup becomes those tokens; true encodes the rendered template (or the raw
     prompt) with special tokens parsed, as HF transformers does. BOS is added only if the model asks for it
-    and it is not already there.
+    and it is not already there (for a chat template, after only whitespace: ``_with_bos``).
 
     Raises:
         RowError: null or empty prompt, malformed messages (empty, a message without string role and
@@ -247,7 +256,7 @@ def build_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer) -> Prompt
         ids = tokenizer.encode(_render(tokenizer, messages), parse_special=True)
     else:
         ids = _encode_template(tokenizer, messages)
-    return Prompt(text, _with_bos(tokenizer, ids))
+    return Prompt(text, _with_bos(tokenizer, ids, templated=True))
 
 
 def encode_pair(encode, context: str, continuation: str,
@@ -308,7 +317,7 @@ def build_score_prompt(row: InputRow, spec: InputSpec, tokenizer: Tokenizer, con
         RowError: as ``build_prompt``.
     """
     text, messages = row_messages(row, spec, empty_prompt=True)
-    bos = lambda ids: _with_bos(tokenizer, ids)  # noqa: E731
+    bos = lambda ids: _with_bos(tokenizer, ids, templated=messages is not None)  # noqa: E731
     if messages is None:
         context = text
         encode = lambda s: bos(tokenizer.encode(s, parse_special=spec.parse_special_tokens))  # noqa: E731

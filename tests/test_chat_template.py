@@ -11,7 +11,7 @@ import pytest
 from pipeline.gguf import read_gguf
 from pipeline.inputs import InputRow
 from pipeline.jobspec import InputSpec
-from pipeline.prompts import RowError, build_prompt
+from pipeline.prompts import RowError, build_prompt, build_score_prompt
 from pipeline.resolve import resolve_model
 from pipeline.tokenizer import Tokenizer
 
@@ -207,3 +207,42 @@ def test_text_without_template_written_tokens_encodes_as_before(thinking, smol, 
     if "<|im_end|>" not in content:
         assert ids == theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
                                                  sanitize_control_tokens=True)
+
+
+# --- BOS: never a second one before the template's own ----------------------------------------------------
+
+@pytest.mark.parametrize("parse", [False, True])
+@pytest.mark.parametrize("head", ["\n", " \n ", ""])
+def test_bos_the_template_writes_after_whitespace_is_not_doubled(smol, parse, head):
+    """A model that asks for BOS (<|endoftext|> here) and a template printing whitespace before
+    ``{{ bos_token }}``: the ids are transformers' (which adds no BOS of its own to a chat template's)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    template = head + "{{ bos_token }}" + smol.chat_template
+    bos = smol._hf.token_to_id("<|endoftext|>")
+    ours = Tokenizer(HFTokenizer.from_str(smol.to_str()), bos_token_id=bos, eos_token_ids=smol.eos_token_ids,
+                     add_bos_token=True, chat_template=template)
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(smol.to_str()),
+                                                  chat_template=template, bos_token="<|endoftext|>",
+                                                  eos_token=ours.eos_token)
+    for content in ("Hi", "x<|endoftext|>"):
+        messages = [{"role": "user", "content": content}]
+        ids = build_prompt(row(messages), InputSpec(path="x", messages_column="m", parse_special_tokens=parse),
+                           ours).token_ids
+        assert ids == theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
+                                                 sanitize_control_tokens=not parse)
+        assert ids.count(bos) == 1 + (parse and "<|endoftext|>" in content)
+        # task: score builds the same context (its trailing newline moved to the continuation)
+        scored = build_score_prompt(row(messages), InputSpec(path="x", messages_column="m",
+                                                             parse_special_tokens=parse), ours, ["Yes"])
+        assert scored.context_ids == ids[:len(scored.context_ids)] and len(scored.context_ids) == len(ids) - 1
+
+
+def test_bos_still_added_once_where_the_template_writes_none(smol):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    bos = smol._hf.token_to_id("<|endoftext|>")
+    ours = Tokenizer(HFTokenizer.from_str(smol.to_str()), bos_token_id=bos, eos_token_ids=smol.eos_token_ids,
+                     add_bos_token=True, chat_template="\n" + smol.chat_template)
+    ids = build_prompt(row(MESSAGES), InputSpec(path="x", messages_column="m"), ours).token_ids
+    assert ids == [bos, *ours.encode(ours.apply_chat_template(MESSAGES), parse_special=True)]
