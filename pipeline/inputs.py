@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from .errors import first_line
 from .jobspec import ROW_OVERRIDES, DatasetSpec, FilterSpec, InputSpec
 from .resolve import hub_unreachable
-from .row_template import NullPrinted, compile_template, environment
+from .row_template import NullCell, NullPrinted, compile_template, environment
 
 
 class InputError(ValueError):
@@ -184,6 +184,17 @@ def template_columns(source: str) -> list[str]:
     return sorted(jinja2.meta.find_undeclared_variables(env.parse(source)) - set(env.globals))
 
 
+def _null_paths(value, path: str) -> list[str]:
+    """Where ``value`` (a cell of column ``path``) holds nulls: ``st.k``, ``lst[1]``."""
+    if value is None:
+        return [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _null_paths(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _null_paths(v, f"{path}[{i}]")]
+    return []
+
+
 def _render_all(source: str, columns: dict[str, list], n: int) -> tuple[list[str | None], list[str | None]]:
     """Render ``source`` once for each of ``n`` rows with that row's ``columns`` values.
 
@@ -193,14 +204,14 @@ def _render_all(source: str, columns: dict[str, list], n: int) -> tuple[list[str
     template = compile_template(source)
     prompts, errors = [], []
     for i in range(n):
-        values = {c: v[i] for c, v in columns.items()}
+        values = {c: NullCell(c) if v[i] is None else v[i] for c, v in columns.items()}
         try:
             prompts.append(template.render(values))
             errors.append(None)
-        except NullPrinted:
-            nulls = [c for c, v in values.items() if v is None]
+        except NullPrinted as e:
+            nulls = [e.column] if e.column else [p for c, v in values.items() for p in _null_paths(v, c)]
             prompts.append(None)
-            errors.append(f"{_NULL_PRINTED} (null in this row: {', '.join(nulls)})")
+            errors.append(f"{_NULL_PRINTED} (null in this row: {', '.join(nulls)})" if nulls else _NULL_PRINTED)
         except Exception as e:  # noqa: BLE001 - the template runs on each row's data; any failure fails that row
             prompts.append(None)
             errors.append(f"{_RAISED}{type(e).__name__}: {e}")

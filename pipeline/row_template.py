@@ -4,24 +4,88 @@ from __future__ import annotations
 
 import jinja2
 from jinja2 import nodes
+from jinja2.filters import do_tojson
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class NullPrinted(Exception):
-    """A template printed a null column value."""
+    """A template printed a null value, or used it as text or a number.
+
+    Attributes:
+        column: the null column's name, or None for a null inside a column's value (a struct's field, a list's
+            item) or one the template computed.
+    """
+
+    def __init__(self, column: str | None = None):
+        super().__init__(column)
+        self.column = column
+
+
+class NullCell:
+    """A row's null cell as the template sees it: it tests as null (falsy, ``is none``, ``== none``,
+    ``default(x, true)``) but raises ``NullPrinted`` naming its column when used as text, a number, a
+    sequence or a mapping (``str``, ``~``, ``%``, ``join``, ``int``, ``tojson``, ``length``, ``q.attr``, ...),
+    where a bare None would silently print "None", "null" or 0."""
+
+    __slots__ = ("column",)
+
+    def __init__(self, column: str):
+        self.column = column
+
+    def __bool__(self):
+        return False
+
+    def __eq__(self, other):
+        return other is None or isinstance(other, NullCell)
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    def __hash__(self):
+        return hash(None)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # jinja and markupsafe probe for these; not the template's data
+            raise AttributeError(name)
+        raise NullPrinted(self.column)
+
+
+def _refuse(self, *args):
+    raise NullPrinted(self.column)
+
+
+for _name in ("str repr format html iter len contains getitem int float index complex round abs neg pos invert "
+              "add radd sub rsub mul rmul truediv rtruediv floordiv rfloordiv mod rmod pow rpow "
+              "lt le gt ge").split():
+    setattr(NullCell, f"__{_name}__", _refuse)
+
+
+def _is_none(value) -> bool:
+    return value is None or isinstance(value, NullCell)
 
 
 def _finalize(value):
-    if value is None:
+    if value is None:  # a null inside a column's value (a null column is a NullCell) or a computed one
         raise NullPrinted
     return value
 
 
+@jinja2.pass_eval_context
+def _tojson(eval_ctx, value, indent=None):
+    if isinstance(value, NullCell):  # json.dumps would fail on it with a TypeError that names no column
+        raise NullPrinted(value.column)
+    return do_tojson(eval_ctx, value, indent)
+
+
 def environment() -> ImmutableSandboxedEnvironment:
     """A sandboxed jinja2 environment (as for chat templates) where a name that is not a column is an error,
-    never an empty string (``StrictUndefined``), and printing a null raises ``NullPrinted``."""
-    return ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                                         finalize=_finalize)
+    never an empty string (``StrictUndefined``), and printing a null (a ``NullCell``, or a None) raises
+    ``NullPrinted``."""
+    env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                                        finalize=_finalize)
+    env.filters["tojson"] = _tojson
+    env.tests["none"] = _is_none
+    return env
 
 
 def compile_template(source: str) -> jinja2.Template:

@@ -1,0 +1,78 @@
+"""``input.template`` rendering (pipeline.row_template, pipeline.inputs): nulls, jinja globals, value text,
+through pipeline.inputs.read_rows on small Parquet / CSV files."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.inputs import read_rows
+from pipeline.jobspec import job_from_dict
+
+
+def spec(**inp):
+    """A validated InputSpec, as the job file would give it."""
+    return job_from_dict({"input": inp, "output": {"dir": "o"}}).input
+
+
+def render(tmp_path, template: str, table: pa.Table) -> list[tuple[str | None, str | None]]:
+    """(prompt, error) per row of ``table`` rendered with ``template``."""
+    pq.write_table(table, tmp_path / "in.parquet")
+    rows, _ = read_rows(spec(path=str(tmp_path / "in.parquet"), template=template))
+    return [(r.prompt, r.error) for r in rows]
+
+
+def nulls() -> pa.Table:
+    """Row 0 has values, row 1 a null q and i (and a struct with a null field)."""
+    return pa.table({"q": pa.array(["x", None]), "i": pa.array([3, None], pa.int32()),
+                     "st": pa.array([{"k": "v"}, {"k": None}], pa.struct([("k", pa.string())]))})
+
+
+@pytest.mark.parametrize("template, first", [
+    ("{{ q | trim }}", "x"),
+    ('{{ "x" ~ q }}', "xx"),
+    ("{{ q|string }}", "x"),
+    ('{{ [q, "z"]|join(",") }}', "x,z"),
+    ('{{ "%s" % q }}', "x"),
+    ('{{ "{}".format(q) }}', "x"),
+    ("{% set q = q | upper %}{{ q }}", "X"),
+    ("{{ q | replace('x', 'y') }}", "y"),
+    ("{{ q | e }}", "x"),
+    ("{{ q | tojson }}", '"x"'),
+    ("{{ q | length }}", "1"),
+    ("{{ q.upper() }}", "X"),
+    ('{{ q | default("d") }}', "x"),  # without boolean=true a null passes default, as in jinja, and fails printed
+])
+def test_a_null_used_as_text_fails_its_row_naming_the_column(tmp_path, template, first):
+    """A bare None would print "None", "NONE", "null" or 0 through these, a wrong prompt and no error."""
+    assert render(tmp_path, template, nulls()) == [
+        (first, None), (None, "input.template printed a null value (null in this row: q)")]
+
+
+def test_a_null_integer_used_as_a_number_fails_its_row(tmp_path):
+    assert render(tmp_path, "{{ i | int }}|{{ q }}", nulls())[1] == (
+        None, "input.template printed a null value (null in this row: i)")
+    assert render(tmp_path, "{{ i + 1 }}", nulls()) == [
+        ("4", None), (None, "input.template printed a null value (null in this row: i)")]
+
+
+@pytest.mark.parametrize("template, second", [
+    ("{% if q %}Q: {{ q }}{% endif %}.", "."),
+    ("{% if q is none %}none{% else %}{{ q }}{% endif %}", "none"),
+    ("{% if q is not none %}{{ q }}{% else %}none{% endif %}", "none"),
+    ("{{ q == none }} {{ q is defined }}", "True True"),
+    ('{{ q | default("d", true) }}', "d"),
+    ('{{ q or "d" }}', "d"),
+    ('{{ q if q else "d" }}', "d"),
+])
+def test_a_null_tested_as_null_still_works(tmp_path, template, second):
+    assert render(tmp_path, template, nulls())[1] == (second, None)
+
+
+def test_a_printed_null_names_the_column_printed_not_every_null_of_the_row(tmp_path):
+    """Row 1 has q and i null; only q is printed. A null struct field is named by its path."""
+    assert render(tmp_path, "{{ q }}{% if i %}{{ i }}{% endif %}", nulls())[1] == (
+        None, "input.template printed a null value (null in this row: q)")
+    assert render(tmp_path, "{{ st.k }}{% if q %}{% endif %}", nulls())[1] == (
+        None, "input.template printed a null value (null in this row: st.k)")
