@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import jinja2
 from jinja2 import nodes
-from jinja2.filters import do_tojson
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .chat_template import _tojson as chat_tojson
 
 
 class NullPrinted(Exception):
@@ -70,17 +71,16 @@ def _finalize(value):
     return value
 
 
-@jinja2.pass_eval_context
-def _tojson(eval_ctx, value, indent=None):
+def _tojson(value, **kwargs):
     if isinstance(value, NullCell):  # json.dumps would fail on it with a TypeError that names no column
         raise NullPrinted(value.column)
-    return do_tojson(eval_ctx, value, indent)
+    return chat_tojson(value, **kwargs)  # as in chat templates: text as is, not jinja's HTML-safe \u003c
 
 
 def environment() -> ImmutableSandboxedEnvironment:
-    """A sandboxed jinja2 environment (as for chat templates) where a name that is not a column is an error,
-    never an empty string (``StrictUndefined``), and printing a null (a ``NullCell``, or a None) raises
-    ``NullPrinted``."""
+    """A sandboxed jinja2 environment (as for chat templates, with their ``tojson``) where a name that is not
+    a column is an error, never an empty string (``StrictUndefined``), and printing a null (a ``NullCell``, or
+    a None) raises ``NullPrinted``."""
     env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                                         finalize=_finalize)
     env.filters["tojson"] = _tojson

@@ -76,3 +76,10 @@ def test_a_printed_null_names_the_column_printed_not_every_null_of_the_row(tmp_p
         None, "input.template printed a null value (null in this row: q)")
     assert render(tmp_path, "{{ st.k }}{% if q %}{% endif %}", nulls())[1] == (
         None, "input.template printed a null value (null in this row: st.k)")
+
+
+def test_tojson_keeps_text_as_chat_templates_do(tmp_path):
+    """jinja's own tojson is HTML-safe (\\u003c, \\u0026, \\u0027) and ASCII-only (\\u00e9)."""
+    table = pa.table({"d": pa.array([{"a": "x<y & it's é"}])})
+    assert render(tmp_path, "{{ d | tojson }}", table) == [("{\"a\": \"x<y & it's é\"}", None)]
+
