@@ -195,6 +195,28 @@ def _null_paths(value, path: str) -> list[str]:
     return []
 
 
+def _float32_as(t: pa.DataType, to: pa.DataType) -> pa.DataType:
+    """``t`` with each float32 in it (also a list's items, a struct's fields) replaced by ``to``."""
+    if pa.types.is_float32(t):
+        return to
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        item = t.value_field.with_type(_float32_as(t.value_type, to))
+        return (pa.large_list(item) if pa.types.is_large_list(t)
+                else pa.list_(item, t.list_size) if pa.types.is_fixed_size_list(t) else pa.list_(item))
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_float32_as(f.type, to)) for f in t])
+    return t
+
+
+def _template_values(column: pa.ChunkedArray) -> list:
+    """``column``'s values for a template: a float32 as the float64 of its shortest text (0.1 prints 0.1, not
+    0.10000000149011612, the float64 nearest it); arrow's float-to-string cast writes that shortest text."""
+    text = _float32_as(column.type, pa.string())
+    if text != column.type:
+        column = column.cast(text).cast(_float32_as(column.type, pa.float64()))
+    return column.to_pylist()
+
+
 def _render_all(source: str, columns: dict[str, list], n: int) -> tuple[list[str | None], list[str | None]]:
     """Render ``source`` once for each of ``n`` rows with that row's ``columns`` values.
 
@@ -968,7 +990,8 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
     messages = [None if e else m for m, e in zip(messages, message_errors)]
     uses_prompt = [m is None and e is None for m, e in zip(messages, message_errors)]
     if spec.template is not None:
-        columns = {c: cells(c) for c in template_columns(spec.template)}
+        columns = {c: cells(c) if c in decoded else _template_values(sel.column(c))
+                   for c in template_columns(spec.template)}
         prompts, errors = _render_all(spec.template, columns, n)
         # a row with messages never uses its template prompt, so a failed render does not fail it
         errors = [e if u else None for u, e in zip(uses_prompt, errors)]

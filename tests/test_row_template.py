@@ -83,3 +83,13 @@ def test_tojson_keeps_text_as_chat_templates_do(tmp_path):
     table = pa.table({"d": pa.array([{"a": "x<y & it's é"}])})
     assert render(tmp_path, "{{ d | tojson }}", table) == [("{\"a\": \"x<y & it's é\"}", None)]
 
+
+
+def test_a_float32_prints_its_shortest_text_and_a_float64_is_unchanged(tmp_path):
+    table = pa.table({"f": pa.array([0.1, 1e20, 2.5], pa.float32()),
+                      "fl": pa.array([[0.1], [], None], pa.list_(pa.float32())),
+                      "st": pa.array([{"w": 0.1}] * 3, pa.struct([("w", pa.float32())])),
+                      "d": pa.array([0.1, 0.10000000149011612, 3.0], pa.float64())})
+    got = render(tmp_path, "{{ f }} {{ fl }} {{ st.w }} {{ d }}", table)
+    assert got == [("0.1 [0.1] 0.1 0.1", None), ("1e+20 [] 0.1 0.10000000149011612", None),
+                   (None, "input.template printed a null value (null in this row: fl)")]
