@@ -178,10 +178,13 @@ _RAISED = "input.template failed: "
 
 
 
-def template_columns(source: str) -> list[str]:
-    """The names a prompt template reads (sorted): each must be an input column."""
+def template_columns(source: str, names=()) -> list[str]:
+    """The names a prompt template reads (sorted): each must be an input column. A jinja global's name
+    (``range``, ``dict``, ``namespace``, ...) is a column when it is among the input's column ``names``."""
     env = environment()
-    return sorted(jinja2.meta.find_undeclared_variables(env.parse(source)) - set(env.globals))
+    globals_ = set(env.globals)
+    env.globals.clear()  # else find_undeclared_variables leaves them out (its own copy of DEFAULT_NAMESPACE)
+    return sorted(jinja2.meta.find_undeclared_variables(env.parse(source)) - (globals_ - set(names)))
 
 
 def _null_paths(value, path: str) -> list[str]:
@@ -263,13 +266,14 @@ def _filters(spec: InputSpec) -> list[FilterSpec]:
     return list(spec.filter or [])
 
 
-def needed_columns(spec: InputSpec) -> dict[str, str]:
-    """The input columns the job reads (override columns aside), each with the job key naming it."""
+def needed_columns(spec: InputSpec, names=()) -> dict[str, str]:
+    """The input columns the job reads (override columns aside), each with the job key naming it (``names``:
+    the input's columns, for ``template_columns``)."""
     keys = {}
     if spec.id_column:
         keys[spec.id_column] = "input.id_column"
     if spec.template is not None:
-        keys.update({c: "input.template" for c in template_columns(spec.template) if c not in keys})
+        keys.update({c: "input.template" for c in template_columns(spec.template, names) if c not in keys})
     elif spec.prompt_column:
         keys.setdefault(spec.prompt_column, "input.prompt_column")
     if spec.messages_column:
@@ -287,7 +291,7 @@ OVERRIDE_KEY = "per-row override"  # the job key naming an override column (``_j
 
 def _job_columns(spec: InputSpec, names: list[str]) -> dict[str, str]:
     """``needed_columns`` plus the override columns among the input's column ``names``."""
-    keys = needed_columns(spec)
+    keys = needed_columns(spec, names)
     return {**keys, **{c: OVERRIDE_KEY for c in override_columns(spec, names) if c not in keys}}
 
 
@@ -412,13 +416,13 @@ def _csv_first_row(f: Path) -> str | None:
     return f"{f}: Expected {len(header)} fields in line {line}, saw {len(first)}"
 
 
-def _csv_text_columns(spec: InputSpec) -> set[str]:
+def _csv_text_columns(spec: InputSpec, table: pa.Table) -> set[str]:
     """The columns a job reads as text: prompt, messages, template, choices, continuation and structured
     columns, and the columns a filter compares with a string."""
     names = {spec.prompt_column, spec.messages_column, spec.choices_column, spec.continuation_column,
              spec.structured_column}
     if spec.template is not None:
-        names.update(template_columns(spec.template))
+        names.update(template_columns(spec.template, table.column_names))
     for f in _filters(spec):
         if any(isinstance(v, str) for v in ([f.equals] if f.one_of is None else f.one_of)):
             names.add(f.column)
@@ -433,7 +437,7 @@ def _csv_nulls(spec: InputSpec, table: pa.Table) -> pa.Table:
     text, while a number column with ``NA`` for a missing value reads as numbers and nulls, as before."""
     from pandas._libs.parsers import STR_NA_VALUES
 
-    text, spellings = _csv_text_columns(spec), pa.array(sorted(STR_NA_VALUES), pa.string())
+    text, spellings = _csv_text_columns(spec, table), pa.array(sorted(STR_NA_VALUES), pa.string())
     for i, (name, t) in enumerate(zip(table.column_names, table.schema.types)):
         if name in text or not _is_string(t):
             continue
@@ -991,7 +995,7 @@ def read_rows(spec: InputSpec, limit: int | None = None) -> tuple[list[InputRow]
     uses_prompt = [m is None and e is None for m, e in zip(messages, message_errors)]
     if spec.template is not None:
         columns = {c: cells(c) if c in decoded else _template_values(sel.column(c))
-                   for c in template_columns(spec.template)}
+                   for c in template_columns(spec.template, sel.column_names)}
         prompts, errors = _render_all(spec.template, columns, n)
         # a row with messages never uses its template prompt, so a failed render does not fail it
         errors = [e if u else None for u, e in zip(uses_prompt, errors)]

@@ -65,9 +65,17 @@ def _is_none(value) -> bool:
     return value is None or isinstance(value, NullCell)
 
 
+_GLOBALS = ImmutableSandboxedEnvironment().globals  # range is the sandbox's safe_range
+
+
 def _finalize(value):
     if value is None:  # a null inside a column's value (a null column is a NullCell) or a computed one
         raise NullPrinted
+    if callable(value):  # a jinja global (range, dict, ...) or a method: its text names a memory address
+        name = getattr(value, "__name__", type(value).__name__)
+        hint = next((f" (the jinja global {g!r}: it is read as a column only when the input has a column {g!r})"
+                     for g, v in _GLOBALS.items() if v is value), "")
+        raise TypeError(f"printed the function {name!r}, not a value{hint}")
     return value
 
 

@@ -93,3 +93,24 @@ def test_a_float32_prints_its_shortest_text_and_a_float64_is_unchanged(tmp_path)
     got = render(tmp_path, "{{ f }} {{ fl }} {{ st.w }} {{ d }}", table)
     assert got == [("0.1 [0.1] 0.1 0.1", None), ("1e+20 [] 0.1 0.10000000149011612", None),
                    (None, "input.template printed a null value (null in this row: fl)")]
+
+
+def test_a_column_named_like_a_jinja_global_is_read_as_the_column(tmp_path):
+    """It was never read: the template printed the global, ``<function safe_range at 0x...>``."""
+    table = pa.table({"range": ["1-5", "6-9"], "namespace": ["a", "b"], "dict": ["d", "e"]})
+    assert render(tmp_path, "{{ range }} {{ namespace }} {{ dict }}", table) == [("1-5 a d", None), ("6-9 b e", None)]
+
+
+def test_a_printed_function_fails_not_its_address(tmp_path):
+    from pipeline.inputs import InputError
+
+    table = pa.table({"q": ["x", "y"]})
+    with pytest.raises(InputError, match=r"^input.template raised on every row \(2\); row 0: TypeError: printed "
+                                         r"the function 'safe_range', not a value \(the jinja global 'range': it is "
+                                         r"read as a column only when the input has a column 'range'\)$"):
+        render(tmp_path, "{{ q }} {{ range }}", table)
+    with pytest.raises(InputError, match=r"printed the function 'upper', not a value$"):
+        render(tmp_path, "{{ q.upper }}", table)
+    # a global used as one still works without such a column
+    assert render(tmp_path, "{% for k in range(2) %}{{ q }}{{ k }}{% endfor %}", table) == [
+        ("x0x1", None), ("y0y1", None)]
