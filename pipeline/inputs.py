@@ -417,12 +417,14 @@ def _csv_first_row(f: Path) -> str | None:
 
 
 def _csv_text_columns(spec: InputSpec, table: pa.Table) -> set[str]:
-    """The columns a job reads as text: prompt, messages, template, choices, continuation and structured
-    columns, and the columns a filter compares with a string."""
+    """The columns a job reads as text: prompt, messages, template (other than per-row override columns),
+    choices, continuation and structured columns, and the columns a filter compares with a string."""
     names = {spec.prompt_column, spec.messages_column, spec.choices_column, spec.continuation_column,
              spec.structured_column}
     if spec.template is not None:
-        names.update(template_columns(spec.template, table.column_names))
+        # an override column the template prints stays typed: text, its override would be refused
+        names.update(set(template_columns(spec.template, table.column_names))
+                     - set(override_columns(spec, table.column_names)))
     for f in _filters(spec):
         if any(isinstance(v, str) for v in ([f.equals] if f.one_of is None else f.one_of)):
             names.add(f.column)

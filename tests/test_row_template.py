@@ -114,3 +114,17 @@ def test_a_printed_function_fails_not_its_address(tmp_path):
     # a global used as one still works without such a column
     assert render(tmp_path, "{% for k in range(2) %}{{ q }}{{ k }}{% endfor %}", table) == [
         ("x0x1", None), ("y0y1", None)]
+
+
+def test_a_csv_override_column_the_template_prints_stays_typed(tmp_path):
+    """It was read as text (a template column), and its override refused: 'has type string, expected
+    integer', exit 2. ``NA`` is a null there (the job's value), as in any other number column."""
+    f = tmp_path / "in.csv"
+    f.write_text("id,q,max_tokens\n1,a,NA\n2,b,3\n")
+    template = "{{ q }}{% if max_tokens %} in {{ max_tokens }} tokens{% endif %}"
+    rows, _ = read_rows(spec(path=str(f), id_column="id", template=template))
+    assert [(r.prompt, r.overrides, r.error) for r in rows] == [("a", {}, None),
+                                                                ("b in 3 tokens", {"max_tokens": 3}, None)]
+    # without row_overrides it is any template column: text as written
+    rows, _ = read_rows(spec(path=str(f), id_column="id", template=template, row_overrides=False))
+    assert [(r.prompt, r.overrides) for r in rows] == [("a in NA tokens", {}), ("b in 3 tokens", {})]
