@@ -585,7 +585,8 @@ class JobSpec:
     def check(self):
         """Raises: JobSpecError: an unknown executor or task; the score columns missing (``task: score``:
         exactly one of ``input.choices_column`` and ``input.continuation_column``) or set for ``task:
-        generate``; ``task: score`` with ``engine.batch_size`` other than 1 or ``executor: ray``."""
+        generate``; ``task: score`` with ``engine.batch_size`` other than 1 or ``executor: ray``; ``task: generate``
+        with an ``input.template`` that renders "" whatever the row."""
         bad = _Problems()
         if self.executor not in EXECUTORS:
             bad.append(f"executor must be local or ray, got {self.executor!r}")
@@ -608,6 +609,9 @@ class JobSpec:
             for key in ("choices_column", "continuation_column"):
                 if getattr(inp, key) is not None:
                     bad.append(f"input.{key} is for task: score (this job's task is generate)")
+            if inp.template is not None and row_template.renders_empty(inp.template):
+                bad.append("input.template is empty: every row's prompt would be empty (an empty context is "
+                           "for task: score)")
         bad.raise_any()
 
     @property

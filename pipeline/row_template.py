@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jinja2
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -114,3 +115,16 @@ def compile_template(source: str) -> jinja2.Template:
             if node.name not in known:
                 raise jinja2.TemplateAssertionError(f"No {kind} named {node.name!r}.", node.lineno)
     return env.from_string(source)
+
+
+def renders_empty(source: str) -> bool:
+    """``source`` reads no name (column or global) and renders "" (``""``, only a ``{# comment #}``): every
+    row's prompt would be empty. False for a template that does not compile (``compile_template`` says why)."""
+    env = environment()
+    env.globals.clear()  # so find_undeclared_variables lists a global it uses
+    try:
+        if jinja2.meta.find_undeclared_variables(env.parse(source)):
+            return False
+        return compile_template(source).render() == ""
+    except Exception:  # noqa: BLE001 - a template that raises is reported when rows are rendered
+        return False

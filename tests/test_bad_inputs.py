@@ -194,6 +194,8 @@ CASES = [
          {"engine": {"dtype": "int8"}}, commands=VALIDATE),
     Case("messages-without-template", [J + "input.messages_column needs input.apply_chat_template: true"],
          {"input": {"messages_column": "messages", "apply_chat_template": False}}, commands=VALIDATE),
+    Case("empty-template", [J + "input.template is empty: every row's prompt would be empty (an empty context is "
+                               "for task: score)"], {"input": {"template": ""}}),
     # executor: ray and its section
     Case("unknown-executor", [J + "executor must be local or ray, got 'spark'"], {"executor": "spark"}),
     Case("unknown-ray-key", [J + "unknown key 'ray.actor' (did you mean 'actors'?)"], {"ray": {"actor": 2}},

@@ -128,3 +128,18 @@ def test_a_csv_override_column_the_template_prints_stays_typed(tmp_path):
     # without row_overrides it is any template column: text as written
     rows, _ = read_rows(spec(path=str(f), id_column="id", template=template, row_overrides=False))
     assert [(r.prompt, r.overrides) for r in rows] == [("a in NA tokens", {}), ("b in 3 tokens", {})]
+
+
+@pytest.mark.parametrize("template", ["", "{# nothing #}", "{% if false %}x{% endif %}"])
+def test_a_template_that_renders_empty_is_a_job_error_when_generating(template):
+    """Every row failed with "input.template's prompt is empty"; a score job scores an empty context."""
+    from pipeline.jobspec import JobSpecError
+
+    with pytest.raises(JobSpecError) as e:
+        spec(path="x.parquet", template=template)
+    assert e.value.problems == ["input.template is empty: every row's prompt would be empty (an empty context is "
+                                "for task: score)"]
+    job_from_dict({"task": "score", "input": {"path": "x", "template": template, "continuation_column": "c"},
+                   "output": {"dir": "o"}, "engine": {"batch_size": 1}})
+    for fine in (" ", "{{ q }}", "{% if q %}{% endif %}"):
+        spec(path="x.parquet", template=fine)
