@@ -44,14 +44,16 @@ def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """The ``tojson`` filter as transformers' chat templates have it: ``json.dumps``, non-ASCII text kept
+    as is (jinja's own escapes it and HTML characters, ``\\u003c``)."""
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env

@@ -7,7 +7,7 @@ import jinja2.meta
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .chat_template import _tojson as chat_tojson
+from .chat_template import tojson as chat_tojson
 
 
 class NullPrinted(Exception):
