@@ -91,18 +91,22 @@ def check_token_ids(token_ids: list[tuple[str, int]], vocab_size: int) -> None:
             raise ConfigError(f"{where}: {i} is outside the vocabulary of {vocab_size} tokens (the embedding's rows)")
 
 
-def check_tokenizer_size(path: Path, n_tokens: int, vocab_size: int) -> None:
-    """The tokenizer's ``n_tokens`` (added tokens included) fit the model's ``vocab_size`` embedding rows: a
-    larger tokenizer feeds ids past the embedding (garbage, or other memory). A smaller one is normal (embeddings
-    padded to a multiple of 64 or 128).
+def check_tokenizer_size(path: Path, tokenizer, vocab_size: int) -> None:
+    """The ids of the tokenizer's own vocabulary (``Tokenizer.base_vocab_end``, added tokens left out) fit the
+    model's ``vocab_size`` embedding rows, or ordinary text would feed ids past the embedding (garbage, or other
+    memory). A smaller vocabulary is normal (embeddings padded to a multiple of 64 or 128); so are added tokens
+    past ``vocab_size`` (Gemma 3 1B: ``<image_soft_token>`` at 262144 of 262144 rows): ``tokenizer.id_limit``
+    is set, and a prompt holding one fails its row (``prompts``).
 
     Raises:
-        ConfigError: more tokens than rows, naming the tokenizer's file, the config's and both sizes.
+        ConfigError: a vocabulary past the embedding, naming the tokenizer's file, the config's and both sizes.
     """
-    if n_tokens > vocab_size:
+    end = tokenizer.base_vocab_end
+    if end > vocab_size:
         tok_file, cfg_file = (path / "tokenizer.json", path / "config.json") if path.is_dir() else (path, path)
-        raise ConfigError(f"{tok_file}: the tokenizer has {n_tokens} tokens, more than the vocab_size {vocab_size} "
-                          f"of {cfg_file} (the embedding's rows)")
+        raise ConfigError(f"{tok_file}: the tokenizer's vocabulary has ids up to {end - 1}, past the vocab_size "
+                          f"{vocab_size} of {cfg_file} (the embedding's rows)")
+    tokenizer.id_limit = vocab_size
 
 
 def should_dequantize(model, dtype: mx.Dtype, batch_size: int = 1) -> bool:
@@ -286,7 +290,7 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
     dt = compute_dtype(dtype)
     model = _build(path, g.config, g.weights, dt)
     check_token_ids(g.token_ids, model.args.vocab_size)  # _build checked the embedding has vocab_size rows
-    check_tokenizer_size(path, g.tokenizer.vocab_size, model.args.vocab_size)
+    check_tokenizer_size(path, g.tokenizer, model.args.vocab_size)
     if fuse:
         g.weights = None  # the fused copies prepare_model makes replace these arrays; let them go
     prepare_model(model, dt, dequantize, batch_size, fuse)

@@ -181,7 +181,17 @@ def _render(tokenizer: Tokenizer, messages: list[dict]) -> str:
 def _with_bos(tokenizer: Tokenizer, ids: list[int], templated: bool = False) -> list[int]:
     """``ids`` with the BOS id in front where the model asks for one and they do not start with it. ``templated``
     (a rendered chat template): a BOS after only whitespace tokens counts too (a template writing
-    ``"\n" + bos_token``), and the ids stay as they are, as ``transformers``' ``apply_chat_template`` leaves them."""
+    ``"\n" + bos_token``), and the ids stay as they are, as ``transformers``' ``apply_chat_template`` leaves them.
+    Every prompt's ids pass here.
+
+    Raises:
+        RowError: an id at or past ``tokenizer.id_limit`` (an added token the model has no embedding row for).
+    """
+    limit = tokenizer.id_limit
+    if limit is not None and ids and max(ids) >= limit:
+        i = max(ids)
+        raise RowError(f"the prompt holds token {i} ({tokenizer.decode([i])!r}), past the model's vocabulary of "
+                       f"{limit} tokens (the embedding's rows)")
     bos = tokenizer.bos_token_id
     if not tokenizer.add_bos_token or bos is None:
         return ids

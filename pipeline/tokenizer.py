@@ -115,6 +115,8 @@ class Tokenizer:
             plus the chat template's end-of-turn token (see ``_end_of_turn_id``).
         add_bos_token: whether a BOS token is prepended to prompts (the model's own setting).
         chat_template: jinja2 source of the chat template, or None.
+        id_limit: the model's ``vocab_size`` (its embedding's rows), set by ``load_model``: prompts holding an id
+            at or past it fail their row (``prompts``); None: not checked.
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class Tokenizer:
         chat_template: str | None,
     ):
         self._hf = hf
+        self.id_limit: int | None = None
         self.bos_token_id = bos_token_id
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
@@ -138,6 +141,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def base_vocab_end(self) -> int:
+        """One past the largest id of the model's own vocabulary (added tokens left out): the ids ordinary text
+        encodes to are below it."""
+        return max(self._hf.get_vocab(with_added_tokens=False).values(), default=-1) + 1
 
     def to_str(self) -> str:
         """The Hugging Face ``tokenizer.json`` text of this tokenizer (as ``tokenizers.Tokenizer.to_str``)."""

@@ -23,6 +23,7 @@ from pipeline import load_model
 from pipeline.describe import describe_model, format_description
 from tiny_model import without_machine_warnings
 from pipeline.engine import GenerateParams
+from pipeline.errors import RowError
 from pipeline.inputs import InputRow
 from pipeline.jobspec import InputSpec
 from pipeline.loader import WeightsError, compute_dtype
@@ -589,5 +590,23 @@ def test_tokenizer_larger_than_the_embedding_is_refused(tmp_path, weights, rows)
         return
     with pytest.raises(ConfigError) as e:
         load(d)
-    one_line_error(e, f"{d / 'tokenizer.json'}: the tokenizer has {len(VOCAB)} tokens, more than the vocab_size "
-                      f"{rows} of {d / 'config.json'}")
+    one_line_error(e, f"{d / 'tokenizer.json'}: the tokenizer's vocabulary has ids up to {len(VOCAB) - 1}, past the "
+                      f"vocab_size {rows} of {d / 'config.json'}")
+
+
+def test_an_added_token_past_the_embedding_loads_and_fails_only_the_rows_holding_it(tmp_path, weights):
+    """Gemma 3 1B's tokenizer adds <image_soft_token> at id 262144 of a 262144-row embedding: such a model
+    loads (it was refused for counting 262145 tokens), and only a prompt holding that token fails its row."""
+    d = make_dir(tmp_path / "m", weights)
+    hf = HFTokenizer.from_file(str(d / "tokenizer.json"))
+    hf.add_special_tokens([AddedToken("<extra>", special=True, normalized=False)])
+    hf.save(str(d / "tokenizer.json"))
+    lm = load(d)
+    assert lm.tokenizer.vocab_size == len(VOCAB) + 1 and lm.model.args.vocab_size == len(VOCAB)
+    spec = InputSpec(path="", apply_chat_template=False, parse_special_tokens=True)
+    ok = build_prompt(InputRow(index=0, id=0, prompt="hello world", messages=None), spec, lm.tokenizer)
+    assert ok.token_ids == [VOCAB.index("hello"), VOCAB.index("world")]
+    with pytest.raises(RowError) as e:
+        build_prompt(InputRow(index=1, id=1, prompt="hello <extra>", messages=None), spec, lm.tokenizer)
+    one_line_error(e, f"the prompt holds token {len(VOCAB)} ('<extra>'), past the model's vocabulary of {len(VOCAB)} "
+                      "tokens")
