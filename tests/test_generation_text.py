@@ -78,6 +78,27 @@ def test_min_tokens_defers_stop_strings(default_model, story):
     assert s.text == (full[:later] if later >= 0 else full)
 
 
+@pytest.mark.parametrize("after", [0, 1], ids=["completed-after-the-first-min_tokens", "completed-by-the-last-of-them"])
+def test_min_tokens_lets_a_stop_string_end_only_after_its_first_tokens(default_model, story, after):
+    """As vLLM's detokenizer (vllm/v1/engine/detokenizer.py, PR #22014): a stop string ends a generation only
+    where it ends in the text of a token after the first ``min_tokens``; one completed by the ``min_tokens``-th
+    token is passed over (it ended the generation there, one token early)."""
+    ids, g = story
+    tok = default_model.tokenizer
+    stop, i = spanning_stop(tok, g.token_ids)  # completed by token i + 2 (1-based)
+    min_tokens = i + 1 + after
+    s = default_model.engine.generate(ids, GenerateParams(max_tokens=N, ignore_eos=True, stop=(stop,),
+                                                          min_tokens=min_tokens))
+    full = tok.decode(g.token_ids)
+    first = full.find(stop)
+    if after == 0:
+        assert (s.finish_reason, s.token_ids, s.text) == ("stop", g.token_ids[: i + 2], full[:first])
+        return
+    later = full.find(stop, first + 1)
+    assert s.finish_reason == ("stop" if later >= 0 else "length") and len(s.token_ids) > i + 2
+    assert s.text == (full[:later] if later >= 0 else full)
+
+
 @pytest.mark.parametrize("prompt", ["请用一句话解释什么是机器学习。", "日本で一番高い山は何ですか？"])
 def test_multibyte_generation_streams_without_split_characters(default_model, prompt):
     g = default_model.engine.generate(chat_ids(default_model, prompt), GenerateParams(max_tokens=16))

@@ -14,7 +14,8 @@ class GenerateParams:
     Attributes:
         max_tokens: most tokens to generate (>= 1).
         min_tokens: tokens generated before EOS, ``stop_token_ids`` or ``stop`` strings may end the
-            generation (stop tokens are masked out of the distribution until then).
+            generation (stop tokens are masked out of the distribution until then; a stop string must end in
+            the text of a later token, as vLLM's detokenizer).
         temperature: 0 is greedy (so is anything below 1e-5, vLLM's ``_SAMPLING_EPS``); above, samples from
             ``softmax(logits / temperature)``.
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1: off).

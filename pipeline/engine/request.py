@@ -122,8 +122,9 @@ class Decoding:
         extras))``.
 
         A stop id ends it with "stop" and is not recorded; a token that completes the structured value
-        (the grammar admits no further token) ends it with "stop"; a stop string ends it once
-        ``min_tokens`` tokens are generated; the ``max_tokens``-th token ends it with "length".
+        (the grammar admits no further token) ends it with "stop"; a stop string ends it where it ends in the
+        text of a token after the first ``min_tokens`` (as vLLM's detokenizer); the ``max_tokens``-th token ends
+        it with "length".
 
         Raises:
             RowError: the structured-output grammar rejects the token (``Constraint.consume``).
@@ -144,7 +145,7 @@ class Decoding:
         self.engine.tokens_generated += 1
         if self.checker is not None:
             matched = self.checker.push(tok)
-            if matched is not None and len(self.tokens) >= self.params.min_tokens:
+            if matched is not None and len(self.tokens) > self.params.min_tokens:  # vLLM's detokenizer (#22014)
                 return "stop", None, matched
         if len(self.tokens) >= self.max_tokens:
             return "length", None, None
@@ -192,8 +193,8 @@ class Decoding:
         gen.logprobs, gen.top_token_ids, gen.top_logprobs = chosen.tolist(), ids.tolist(), vals.tolist()
 
     def _fill_text(self, gen: Generation) -> None:
-        """The completion text; a stop string counts only where it ends in text of token ``min_tokens``
-        or later, as ``push`` checks it. A row that ended at ``max_tokens`` is cut at a stop string too, and
+        """The completion text; a stop string counts only where it ends in text of a token after the first
+        ``min_tokens``, as ``push`` checks it. A row that ended at ``max_tokens`` is cut at a stop string too, and
         ends with "stop": the incremental detokenizer holds back a piece that ends in an unfinished
         character, so a stop in the last tokens' text may have reached no ``push``."""
         params, tokenizer = self.params, self.engine.tokenizer
@@ -201,8 +202,8 @@ class Decoding:
         if gen.stop_token_id is not None and params.include_stop_str_in_output:
             ids = ids + [gen.stop_token_id]
         min_end = 0
-        if params.stop and params.min_tokens > 1:  # characters before the min_tokens-th token
-            min_end = len(tokenizer.decode_complete(ids[: params.min_tokens - 1],
+        if params.stop and params.min_tokens > 0:  # characters of the first min_tokens tokens
+            min_end = len(tokenizer.decode_complete(ids[: params.min_tokens],
                                                     skip_special_tokens=params.skip_special_tokens))
         text, matched = final_text(tokenizer, ids, params.stop,
                                    skip_special_tokens=params.skip_special_tokens,
