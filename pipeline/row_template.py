@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jinja2
 import jinja2.meta
+import jinja2.tests
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -66,6 +67,16 @@ def _is_none(value) -> bool:
     return value is None or isinstance(value, NullCell)
 
 
+def _is_sameas(value, other) -> bool:
+    """jinja's ``sameas`` test, a null cell being ``none``."""
+    return value is other or (other is None and isinstance(value, NullCell))
+
+
+def _is_iterable(value) -> bool:
+    """jinja's ``iterable`` test (which catches only TypeError from ``iter``): a null cell is not."""
+    return not isinstance(value, NullCell) and jinja2.tests.test_iterable(value)
+
+
 _GLOBALS = ImmutableSandboxedEnvironment().globals  # range is the sandbox's safe_range
 
 
@@ -81,9 +92,22 @@ def _finalize(value):
 
 
 def _tojson(value, **kwargs):
-    if isinstance(value, NullCell):  # json.dumps would fail on it with a TypeError that names no column
+    """The chat templates' ``tojson`` (text as is, not jinja's HTML-safe ``\\u003c``). A null cell printed on its own
+    fails its row as ``{{ q }}`` does; inside a list or mapping the template built it is JSON's ``null``."""
+    if isinstance(value, NullCell):
         raise NullPrinted(value.column)
-    return chat_tojson(value, **kwargs)  # as in chat templates: text as is, not jinja's HTML-safe \u003c
+    return chat_tojson(_json_nulls(value), **kwargs)
+
+
+def _json_nulls(value):
+    """``value`` with every null cell in its lists, tuples and mappings replaced by None."""
+    if isinstance(value, NullCell):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_nulls(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_nulls(v) for v in value]
+    return value
 
 
 def environment() -> ImmutableSandboxedEnvironment:
@@ -93,7 +117,7 @@ def environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                                         finalize=_finalize)
     env.filters["tojson"] = _tojson
-    env.tests["none"] = _is_none
+    env.tests.update(none=_is_none, sameas=_is_sameas, iterable=_is_iterable)
     return env
 
 

@@ -65,6 +65,9 @@ def test_a_null_integer_used_as_a_number_fails_its_row(tmp_path):
     ('{{ q | default("d", true) }}', "d"),
     ('{{ q or "d" }}', "d"),
     ('{{ q if q else "d" }}', "d"),
+    ("{{ q is sameas none }} {{ q is iterable }}", "True False"),  # as for None (iterable raised, sameas False)
+    ('{{ {"q": q, "i": i} | tojson }}', '{"q": null, "i": null}'),  # in JSON the template builds, a null is null
+    ('{{ [q, "z"] | tojson }}', '[null, "z"]'),
 ])
 def test_a_null_tested_as_null_still_works(tmp_path, template, second):
     assert render(tmp_path, template, nulls())[1] == (second, None)
