@@ -89,7 +89,8 @@ def _cache_settings(cache) -> dict:
     whose size changes only what is reused, not the result (reused KV is what the one-block prefill chunks
     compute); ``prefix_block_size`` is None with prefix caching off (prefill chunks of
     ``engine.prefill_step_size`` then). Without ``kv_bits``, ``kv_group_size`` and ``quantized_kv_start`` are
-    recorded at their defaults (they do nothing then; the keys stay, so fingerprints written before hold)."""
+    recorded at their defaults (they do nothing then; the keys stay, so the fingerprints of jobs that left them
+    at their defaults hold; a dir written with another value, accepted before, needs --force once)."""
     if cache.kv_bits is None:
         cache = dataclasses.replace(cache, kv_group_size=CacheSpec.kv_group_size,
                                     quantized_kv_start=CacheSpec.quantized_kv_start)
