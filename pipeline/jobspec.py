@@ -18,16 +18,12 @@ from pathlib import Path
 import jinja2
 import yaml
 
-from .engine.params import GenerateParams
+from .engine.params import INT32_LIMIT, GenerateParams
 from .engine.structured import KEYS, StructuredOutputsParams, problem_line
 from . import row_template
 from .errors import JobSpecError
 from .resolve import DEFAULT_MODEL
 
-# max_tokens, min_tokens and top_k reach the device as int32 scalars (engine.sampler.sampler_consts), as do
-# sizes and positions of the KV cache (cache.max_kv_size, cache.quantized_kv_start: engine.cache compares
-# offsets with them on the device); engine.batch_size and engine.prefill_step_size get the same bound
-INT32_LIMIT = 2**31
 # generation.n: samples per input row. Every sample is planned (one (row, sample index) entry, about 170 bytes
 # in `pipeline validate`) before anything runs, so an absurd n exhausts memory instead of failing; 2**16 is
 # far above repeated-sampling studies (10,000 samples a problem) and plans one row in about 11 MB.
@@ -213,16 +209,10 @@ class GenerationSpec(GenerateParams):
             repeated-sampling use; an input column ``n`` over it fails its row.
 
     In a job file ``stop`` may be one string; ``stop`` and ``stop_token_ids`` are lists there (tuples
-    here). Ranges: ``check``.
+    here: ``GenerateParams`` turns them). Ranges: ``check``.
     """
 
     n: int = 1
-
-    def __post_init__(self):
-        for name in ("stop", "stop_token_ids"):  # a list or a single string from Python code as from YAML
-            value = getattr(self, name)
-            if not isinstance(value, tuple):
-                object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
 
     def to_dict(self) -> dict:
         """The settings as JSON values (tuples as lists), as the fingerprint and the manifest record them;
@@ -235,51 +225,17 @@ class GenerationSpec(GenerateParams):
         return out
 
     def check(self, where: str = "generation."):
-        """Range checks; ``where`` prefixes the key in messages (an input column for row overrides).
+        """Range checks (``GenerateParams.problems``, and ``n``); ``where`` prefixes the key in messages (an
+        input column for row overrides).
 
         Raises:
             JobSpecError: every value out of range, one problem each.
         """
-        problems = _Problems()
-
-        def bad(key, rule, value):
-            problems.append(f"{where}{key} must be {rule}, got {value!r}")
-
-        finite = lambda v: v == v and abs(v) != float("inf")  # noqa: E731
-        if self.max_tokens < 1:
-            bad("max_tokens", ">= 1", self.max_tokens)
-        if self.min_tokens < 0 or self.max_tokens >= 1 and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f">= 0 and <= max_tokens ({self.max_tokens})", self.min_tokens)
+        problems = _Problems(self.problems(where))
         if self.n < 1:
-            bad("n", ">= 1", self.n)
+            problems.append(f"{where}n must be >= 1, got {self.n!r}")
         elif self.n > MAX_N:
-            bad("n", f"<= {MAX_N} (samples per row)", self.n)
-        if not (finite(self.temperature) and self.temperature >= 0):
-            bad("temperature", "a finite number >= 0", self.temperature)
-        if not 0 < self.top_p <= 1:
-            bad("top_p", "in (0, 1]", self.top_p)
-        if self.top_k < -1:
-            bad("top_k", "-1, 0 (off) or >= 1", self.top_k)
-        for key in ("max_tokens", "min_tokens", "top_k"):
-            if getattr(self, key) >= INT32_LIMIT:
-                bad(key, "< 2**31", getattr(self, key))
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", "in [0, 1]", self.min_p)
-        if not (finite(self.repetition_penalty) and self.repetition_penalty > 0):
-            bad("repetition_penalty", "a finite number > 0", self.repetition_penalty)
-        for key in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, key) <= 2:
-                bad(key, "in [-2, 2]", getattr(self, key))
-        if not 0 <= self.seed < 2**63:
-            bad("seed", "in [0, 2**63)", self.seed)
-        for i, s in enumerate(self.stop):
-            if not s:
-                bad(f"stop[{i}]", "a non-empty string", s)
-        for i, t in enumerate(self.stop_token_ids):
-            if t < 0:
-                bad(f"stop_token_ids[{i}]", ">= 0", t)
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", "null or in [0, 20]", self.logprobs)
+            problems.append(f"{where}n must be <= {MAX_N} (samples per row), got {self.n!r}")
         problems.raise_any()
 
 

@@ -229,10 +229,13 @@ class LoadedModel:
         """Completion text for one user ``prompt``, built as a job builds it (chat template unless told
         not to, special-token text in ``prompt`` encoded as plain text, one BOS).
 
-        ``params`` are ``GenerateParams`` fields (max_tokens defaults to 64 here).
+        ``params`` are ``GenerateParams`` fields (max_tokens defaults to 64 here; ``stop`` and
+        ``stop_token_ids`` may be one value or a list), range-checked as a job's ``generation`` settings.
 
         Raises:
-            RowError: an empty prompt; ValueError: a prompt that fills the model's context.
+            GenerateParamsError: a ValueError, one line naming every setting out of range
+                (``GenerateParams.check``); RowError: an empty prompt; ValueError: a prompt that fills the
+                model's context.
         """
         from .inputs import InputRow
         from .jobspec import InputSpec
@@ -240,7 +243,9 @@ class LoadedModel:
 
         spec = InputSpec(path="", apply_chat_template=apply_chat_template, system_prompt=system_prompt)
         ids = build_prompt(InputRow(index=0, id=0, prompt=prompt, messages=None), spec, self.tokenizer).token_ids
-        return self.engine.generate(ids, GenerateParams(**{"max_tokens": 64, **params})).text
+        checked = GenerateParams(**{"max_tokens": 64, **params})
+        checked.check()
+        return self.engine.generate(ids, checked).text
 
 
 def model_identity(spec: str, path: Path) -> dict:

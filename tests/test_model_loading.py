@@ -105,6 +105,30 @@ def test_directory_loads_and_generates(tmp_path, weights):
     assert isinstance(lm.generate("hello world", max_tokens=3), str)
 
 
+def test_generate_params_take_one_stop_or_a_list():
+    """As vLLM's SamplingParams: one stop string (not its characters) or id, or a list of them, or None."""
+    assert GenerateParams(stop="problem", stop_token_ids=451).stop == ("problem",)
+    assert GenerateParams(stop_token_ids=451).stop_token_ids == (451,)
+    assert GenerateParams(stop=["a", "bc"], stop_token_ids=[1, 2]) == GenerateParams(stop=("a", "bc"), stop_token_ids=(1, 2))
+    assert GenerateParams(stop=None, stop_token_ids=None) == GenerateParams()
+
+
+def test_python_api_checks_generation_settings(tmp_path, weights):
+    """``LoadedModel.generate`` rejects what a job's generation section rejects, in one line naming the key,
+    before any MLX call (which raised TypeError / ValueError of its own, or generated garbage)."""
+    lm = load(make_dir(tmp_path / "m", weights))
+    assert isinstance(lm.generate("hello world", max_tokens=3, stop="xyz", stop_token_ids=EOT), str)
+    for key, value in [("repetition_penalty", 0), ("presence_penalty", float("nan")), ("min_tokens", 65),
+                       ("temperature", -1), ("temperature", float("inf")), ("top_p", 0), ("seed", -5),
+                       ("seed", 2**64), ("logprobs", 60000), ("max_tokens", 0), ("stop", "")]:
+        with pytest.raises(ValueError) as e:
+            lm.generate("hello world", **{key: value})
+        assert one_line_error(e, key).startswith(key), (key, value)
+    with pytest.raises(ValueError) as e:
+        lm.generate("hello world", top_p=0, min_p=2)
+    one_line_error(e, "top_p must be in (0, 1], got 0", "; min_p must be in [0, 1], got 2")
+
+
 def test_sharded_weights_load_identically(tmp_path, weights):
     one = load(make_dir(tmp_path / "one", weights))
     two_dir = make_dir(tmp_path / "two", weights, shards=2)

@@ -6,6 +6,16 @@ from dataclasses import dataclass
 
 from .structured import StructuredOutputsParams
 
+# max_tokens, min_tokens and top_k reach the device as int32 scalars (engine.sampler.sampler_consts), as do
+# sizes and positions of the KV cache (cache.max_kv_size, cache.quantized_kv_start: engine.cache compares
+# offsets with them on the device); the job's engine.batch_size and engine.prefill_step_size get the same bound
+INT32_LIMIT = 2**31
+
+
+class GenerateParamsError(ValueError):
+    """Generation settings out of range (``GenerateParams.check``): one line, each problem naming its
+    parameter, several joined by "; "."""
+
 
 @dataclass(frozen=True)
 class GenerateParams:
@@ -28,8 +38,9 @@ class GenerateParams:
         seed: the request's seed (see ``sampler.row_seed``).
         ignore_eos: keep generating past EOS (for benchmarks).
         stop: strings that end the generation when they appear in the decoded text; the completion is
-            cut before the earliest match.
-        stop_token_ids: ids that end the generation besides the model's EOS ids.
+            cut before the earliest match. One string or a list is accepted (as vLLM) and stored as a tuple.
+        stop_token_ids: ids that end the generation besides the model's EOS ids. One int or a list is
+            accepted and stored as a tuple.
         include_stop_str_in_output: keep the matched stop string (or the stop token's text) in the
             completion.
         skip_special_tokens: leave special tokens out of the completion text.
@@ -39,6 +50,8 @@ class GenerateParams:
             grammar (``engine.structured``; None: unconstrained). EOS and ``stop_token_ids`` are allowed
             only where the grammar accepts; a completed value ends with "stop" even before
             ``min_tokens``; a stop string may still cut the value.
+
+    Ranges (vLLM's ``SamplingParams._verify_args``) are not checked on construction: ``check`` does.
     """
 
     max_tokens: int = 128
@@ -58,6 +71,62 @@ class GenerateParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     structured: StructuredOutputsParams | None = None
+
+    def __post_init__(self):
+        # vLLM's SamplingParams takes one stop string (or None) as well as a list; a list is kept as a tuple
+        for name, one in (("stop", str), ("stop_token_ids", int)):
+            value = getattr(self, name)
+            if not isinstance(value, tuple):
+                value = () if value is None else (value,) if isinstance(value, one) else tuple(value)
+                object.__setattr__(self, name, value)
+
+    def problems(self, where: str = "") -> list[str]:
+        """Every setting out of range, one line each naming its key (prefixed by ``where``), e.g.
+        "top_p must be in (0, 1], got 0"; the ranges of vLLM's ``SamplingParams._verify_args``, with
+        ``logprobs`` at most 20 (vLLM's default ``max_logprobs``) and counts below 2**31 (``INT32_LIMIT``)."""
+        out = []
+
+        def bad(key, rule, value):
+            out.append(f"{where}{key} must be {rule}, got {value!r}")
+
+        finite = lambda v: v == v and abs(v) != float("inf")  # noqa: E731
+        if self.max_tokens < 1:
+            bad("max_tokens", ">= 1", self.max_tokens)
+        if self.min_tokens < 0 or self.max_tokens >= 1 and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f">= 0 and <= max_tokens ({self.max_tokens})", self.min_tokens)
+        if not (finite(self.temperature) and self.temperature >= 0):
+            bad("temperature", "a finite number >= 0", self.temperature)
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]", self.top_p)
+        if self.top_k < -1:
+            bad("top_k", "-1, 0 (off) or >= 1", self.top_k)
+        for key in ("max_tokens", "min_tokens", "top_k"):
+            if getattr(self, key) >= INT32_LIMIT:
+                bad(key, "< 2**31", getattr(self, key))
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]", self.min_p)
+        if not (finite(self.repetition_penalty) and self.repetition_penalty > 0):
+            bad("repetition_penalty", "a finite number > 0", self.repetition_penalty)
+        for key in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, key) <= 2:
+                bad(key, "in [-2, 2]", getattr(self, key))
+        if not 0 <= self.seed < 2**63:
+            bad("seed", "in [0, 2**63)", self.seed)
+        for i, s in enumerate(self.stop):
+            if not s:
+                bad(f"stop[{i}]", "a non-empty string", s)
+        for i, t in enumerate(self.stop_token_ids):
+            if t < 0:
+                bad(f"stop_token_ids[{i}]", ">= 0", t)
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", "null or in [0, 20]", self.logprobs)
+        return out
+
+    def check(self):
+        """Raises: GenerateParamsError: one line naming every setting out of range (``problems``)."""
+        found = self.problems()
+        if found:
+            raise GenerateParamsError("; ".join(found))
 
 
 @dataclass

@@ -393,6 +393,10 @@ class Engine:
         ``params.structured`` the step's forward is queued alone; token ``t`` is read, the grammar's mask
         for ``t + 1`` is computed on the host while the forward runs, then the masked sampling is queued.
 
+        ``params`` is not range-checked here (the job path checked it at load, ``GenerationSpec.check``;
+        the Python API in ``LoadedModel.generate``, ``GenerateParams.check``): an out-of-range value may
+        fail deep in sampling with a raw MLX error.
+
         Raises:
             RowError: max_tokens < 1, an empty prompt, a prompt that fills the model's context, a grammar
                 that does not compile.
