@@ -62,6 +62,13 @@ def _is_repo_id(spec: str) -> bool:
     return bool(_REPO_ID.match(spec)) and not spec.lower().endswith(".gguf")
 
 
+def _hub_file(spec: str) -> tuple[str, str] | None:
+    """``(repo id, file name)`` of an ``owner/name/file.gguf`` spec (``.gguf`` in any case, as ``_is_repo_id``
+    reads it); None for any other spec. A repo whose own name ends in ``.gguf`` is named this way only."""
+    repo, _, filename = spec.rpartition("/")
+    return (repo, filename) if filename.lower().endswith(".gguf") and _REPO_ID.match(repo) else None
+
+
 def pipeline_home() -> Path:
     """``$PIPELINE_HOME`` or ``~/.cache/pipeline``."""
     return Path(os.environ.get("PIPELINE_HOME") or Path.home() / ".cache" / "pipeline")
@@ -117,8 +124,7 @@ def check_model_spec(spec: str) -> None:
         if path.is_file() and path.suffix == ".gguf":
             return
         raise ModelResolveError(f"model file {spec!r} is not a .gguf file or a model directory")
-    elif _is_repo_id(spec) or (spec.endswith(".gguf") and spec.count("/") == 2
-                                  and _REPO_ID.match(spec.rsplit("/", 1)[0])):
+    elif _is_repo_id(spec) or _hub_file(spec):
         return
     raise ModelResolveError(
         f"model {spec!r} is not a built-in alias ({', '.join(ALIASES)}), an existing .gguf file or model "
@@ -153,9 +159,8 @@ def resolve_model(spec: str, *, pip_args: tuple[str, ...] = (), progress: bool =
                 raise ModelResolveError(f"model directory {spec!r} has no config.json")
             return path
         raise ModelResolveError(f"model file {spec!r} is not a .gguf file or a model directory")
-    if spec.endswith(".gguf") and spec.count("/") == 2 and _REPO_ID.match(spec.rsplit("/", 1)[0]):
-        repo, filename = spec.rsplit("/", 1)
-        return _hub_download(repo, filename)
+    if _hub_file(spec):
+        return _hub_download(*_hub_file(spec))
     if _is_repo_id(spec):
         return _hub_download(spec, None)
     raise ModelResolveError(

@@ -158,7 +158,8 @@ def test_unknown_spec_and_wrong_files(tmp_path):
 def test_check_model_spec_without_downloading(tmp_path):
     from pipeline.resolve import check_model_spec
 
-    for good in ("smollm2-135m-instruct", "owner/model", "owner/model/file.gguf"):
+    for good in ("smollm2-135m-instruct", "owner/model", "owner/model/file.gguf", "owner/model/F.GGUF",
+                 "owner/model.gguf/file.gguf"):  # .GGUF was "not a built-in alias" though _is_repo_id reads any case
         check_model_spec(good)
     (tmp_path / "m.gguf").write_bytes(b"x")
     check_model_spec(str(tmp_path / "m.gguf"))
@@ -268,12 +269,14 @@ def test_cached_hub_model_runs_without_the_hub(tmp_path, offline):
 
 def test_cached_hub_gguf_resolves_offline(tmp_path, default_model_path):
     snapshot = write_hub_cache(tmp_path, "someone/model-GGUF", {"model.Q4_1.gguf": default_model_path})
+    upper = write_hub_cache(tmp_path, "someone/upper", {"M.Q4_1.GGUF": default_model_path})
     code = ("from pipeline.resolve import resolve_model\n"
-            "for spec in ('someone/model-GGUF', 'someone/model-GGUF/model.Q4_1.gguf'): print(resolve_model(spec))")
+            "for spec in ('someone/model-GGUF', 'someone/model-GGUF/model.Q4_1.gguf', 'someone/upper/M.Q4_1.GGUF'):"
+            " print(resolve_model(spec))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           env=hub_env(tmp_path, HF_HUB_OFFLINE="1"), timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [str(snapshot / "model.Q4_1.gguf")] * 2
+    assert proc.stdout.splitlines() == [str(snapshot / "model.Q4_1.gguf")] * 2 + [str(upper / "M.Q4_1.GGUF")]
 
 
 def test_connection_check_is_bounded_and_goes_through_the_proxy(monkeypatch):
