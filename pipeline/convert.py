@@ -17,6 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
 
 from .gguf import read_gguf
 
@@ -157,9 +158,23 @@ def bos_post_processor(bos: str, bos_id: int) -> dict:
             "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
 
 
+def with_bos(tok_json: dict, bos: str, bos_id: int) -> dict:
+    """The post-processor for ``tok_json`` (a ``tokenizer.json`` as a dict) that puts BOS first: its own one
+    followed by ``bos_post_processor`` in a ``Sequence`` (as Hugging Face's Llama 3 tokenizer.json has
+    ``Sequence[ByteLevel, TemplateProcessing]``), ``bos_post_processor`` alone when it has none, or its own
+    unchanged when that already puts ``bos_id`` first."""
+    existing = tok_json.get("post_processor")
+    if existing is None:
+        return bos_post_processor(bos, bos_id)
+    if HFTokenizer.from_str(json.dumps(tok_json)).encode("").ids[:1] == [bos_id]:
+        return existing
+    earlier = existing["processors"] if existing.get("type") == "Sequence" else [existing]
+    return {"type": "Sequence", "processors": [*earlier, bos_post_processor(bos, bos_id)]}
+
+
 def write_model_dir(path: Path, config: dict, weights: dict, tokenizer) -> None:
     """Write an HF-style model directory into the existing folder ``path``: ``model.safetensors``,
-    ``config.json``, ``tokenizer.json`` (with ``bos_post_processor`` when the tokenizer adds BOS),
+    ``config.json``, ``tokenizer.json`` (BOS added by its post-processor when the tokenizer adds BOS: ``with_bos``),
     ``tokenizer_config.json`` (BOS/EOS, ``add_bos_token``, chat template) and ``generation_config.json``
     (BOS and every EOS id).
 
@@ -178,7 +193,7 @@ def write_model_dir(path: Path, config: dict, weights: dict, tokenizer) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2))
     tok_json = json.loads(tok.to_str())
     if tok.add_bos_token and tok.bos_token_id is not None:
-        tok_json["post_processor"] = bos_post_processor(tok.bos_token, tok.bos_token_id)
+        tok_json["post_processor"] = with_bos(tok_json, tok.bos_token, tok.bos_token_id)
     (path / "tokenizer.json").write_text(json.dumps(tok_json, indent=2, ensure_ascii=False), encoding="utf-8")
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",

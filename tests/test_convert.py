@@ -138,6 +138,39 @@ def test_converted_tokenizer_adds_bos_where_the_gguf_asks(tmp_path, add_bos):
     assert ours.encode("hi there", add_bos=ours.add_bos_token) == gguf_tok.encode("hi there", add_bos=add_bos)
 
 
+@pytest.mark.parametrize("adds_bos", [False, True])
+def test_converted_tokenizer_keeps_its_post_processor(tmp_path, adds_bos):
+    """The BOS template replaced the tokenizer's own post-processor (HF's Llama 3 tokenizer.json has
+    Sequence[ByteLevel, TemplateProcessing]: ByteLevel's offsets were lost); now it follows it in a Sequence, or
+    is left out when the tokenizer's own one already puts BOS first (no second BOS)."""
+    from gguf_file import BOOL, BOS, write_tiny_gguf
+    from mlx_lm import load
+    from tiny_model import write_tiny_model
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import processors
+
+    from pipeline.gguf import read_gguf
+    from pipeline.tokenizer import Tokenizer
+
+    gguf_tok = read_gguf(write_tiny_gguf(tmp_path / "m.gguf", {"tokenizer.ggml.add_bos_token": (BOOL, True)})).tokenizer
+    hf = HFTokenizer.from_str(gguf_tok.to_str())
+    own = [processors.ByteLevel(trim_offsets=False)]
+    if adds_bos:
+        own.append(processors.TemplateProcessing(single=f"{gguf_tok.bos_token} $A", pair=f"{gguf_tok.bos_token} $A $B",
+                                                 special_tokens=[(gguf_tok.bos_token, BOS)]))
+    hf.post_processor = processors.Sequence(own)
+    tok = Tokenizer(hf, bos_token_id=BOS, eos_token_ids=gguf_tok.eos_token_ids, add_bos_token=True, chat_template=None)
+    dst = write_tiny_model(tmp_path / "mlx", tokenizer=tok)
+
+    written = json.loads((dst / "tokenizer.json").read_text())["post_processor"]
+    assert written["type"] == "Sequence" and written["processors"][0]["type"] == "ByteLevel"
+    assert written["processors"][0]["trim_offsets"] is False
+    assert [p["type"] for p in written["processors"]] == ["ByteLevel", "TemplateProcessing"]
+    expected = [BOS, *gguf_tok.encode("hi there")]
+    assert HFTokenizer.from_file(str(dst / "tokenizer.json")).encode("hi there").ids == expected
+    assert load(str(dst))[1].encode("hi there") == expected
+
+
 def test_overwrite_of_the_current_directory_is_refused(tmp_path, monkeypatch):
     """`convert M.gguf . --overwrite` made its temporary directory inside ".", deleted the earlier conversion
     there and failed with OSError [Errno 22]; replacing the shell's directory is now refused, one line, exit 2,
