@@ -89,7 +89,7 @@ def test_layer_types_override_pattern():
 
 
 def test_bad_layer_types_rejected():
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"^layer_types has 3 entries for 4 layers$"):
         ModelArgs.from_dict({**GEMMA3, "layer_types": ["sliding_attention"] * 3})
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"^unsupported layer_types \['chunked_attention'\] \(supported: "):
         ModelArgs.from_dict({**GEMMA3, "layer_types": ["chunked_attention"] * 4})

@@ -45,5 +45,23 @@ def test_llama_bad_layer_types_are_one_line_config_errors(change, error):
     from pipeline.models import build_model
     from pipeline.models.base import ConfigError
 
-    with pytest.raises(ConfigError, match=re.escape(error)):
+    with pytest.raises(ConfigError, match=re.escape(error)) as e:
         build_model({**SLIDING, **change}, {}, None)
+    assert "\n" not in str(e.value), str(e.value)
+
+
+def test_llama_and_gemma3_share_one_layer_types_check():
+    """llama.py and gemma3_text.py each carried a copy of these checks (and of ``is_sliding``)."""
+    from pipeline.models import gemma3_text, llama
+    from pipeline.models.base import BaseModelArgs, ConfigError, check_layer_types
+
+    kinds = ["sliding_attention", "full_attention"]
+    assert check_layer_types(kinds, 2, 8) == kinds and check_layer_types(["full_attention"], 1, None)
+    for args, n, window, error in [(["full_attention"], 2, None, "layer_types has 1 entries for 2 layers"),
+                                   (["chunked_attention"], 1, None, "unsupported layer_types ['chunked_attention']"),
+                                   (kinds, 2, None, "layer_types has sliding_attention layers but the config has no "
+                                                    "sliding_window")]:
+        with pytest.raises(ConfigError, match=re.escape(error)):
+            check_layer_types(args, n, window)
+    for family in (llama, gemma3_text):
+        assert "is_sliding" not in vars(family.ModelArgs) and family.ModelArgs.is_sliding is BaseModelArgs.is_sliding

@@ -224,7 +224,7 @@ def _kv_layout(args, max_kv_size: int | None) -> list[int | None]:
     (Gemma 3), capped by ``max_kv_size``."""
     windows = []
     for i in range(args.num_hidden_layers):
-        w = args.sliding_window if hasattr(args, "is_sliding") and args.is_sliding(i) else None
+        w = args.sliding_window if args.is_sliding(i) else None
         if max_kv_size is not None:
             w = max_kv_size if w is None else min(w, max_kv_size)
         windows.append(w)

@@ -48,6 +48,33 @@ class BaseModelArgs:
                               f"num_attention_heads ({heads})")
         return args
 
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends over a sliding window (HF ``layer_types``, ``check_layer_types``);
+        a family without ``layer_types`` has none."""
+        layer_types = getattr(self, "layer_types", None)
+        return layer_types is not None and layer_types[layer] == "sliding_attention"
+
+
+def check_layer_types(layer_types: list[str], n_layers: int, sliding_window: int | None) -> list[str]:
+    """Check HF's per-layer attention kinds (``layer_types``: "sliding_attention" or "full_attention", one per
+    layer) against ``num_hidden_layers`` (``n_layers``) and ``sliding_window``.
+
+    Returns:
+        ``layer_types``, unchanged.
+
+    Raises:
+        ConfigError: one line: a length other than ``n_layers``, an unsupported kind, or sliding layers with
+            ``sliding_window`` None.
+    """
+    if len(layer_types) != n_layers:
+        raise ConfigError(f"layer_types has {len(layer_types)} entries for {n_layers} layers")
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ConfigError(f"unsupported layer_types {sorted(unknown)} (supported: sliding_attention, full_attention)")
+    if "sliding_attention" in layer_types and sliding_window is None:
+        raise ConfigError("layer_types has sliding_attention layers but the config has no sliding_window")
+    return layer_types
+
 
 def _flat_rope(config: dict) -> dict:
     """``config`` with transformers >= 5's ``rope_parameters`` also given under the keys of earlier configs

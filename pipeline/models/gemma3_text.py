@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine.cache import KVCache, RotatingKVCache
-from .base import BaseModelArgs, ConfigError, output_logits, roped_qkv
+from .base import BaseModelArgs, ConfigError, check_layer_types, output_logits, roped_qkv
 from .rope import make_rope
 
 
@@ -45,16 +45,9 @@ class ModelArgs(BaseModelArgs):
                 "full_attention" if (i + 1) % self.sliding_window_pattern == 0 else "sliding_attention"
                 for i in range(self.num_hidden_layers)
             ]
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        unknown = set(self.layer_types) - {"sliding_attention", "full_attention"}
-        if unknown:
-            raise ConfigError(f"unsupported layer_types {sorted(unknown)} (supported: sliding_attention, full_attention)")
+        check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
         if self.attn_logit_softcapping is not None or self.final_logit_softcapping is not None:
             raise ConfigError("logit soft-capping is not supported for gemma3_text")
-
-    def is_sliding(self, layer: int) -> bool:
-        return self.layer_types[layer] == "sliding_attention"
 
 
 class RMSNorm(nn.Module):

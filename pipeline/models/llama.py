@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..engine.cache import KVCache, RotatingKVCache
-from .base import BaseModelArgs, ConfigError, SwiGLU, drop_unused, fuse_qkv, output_logits, roped_qkv
+from .base import BaseModelArgs, SwiGLU, check_layer_types, drop_unused, fuse_qkv, output_logits, roped_qkv
 from .rope import make_rope
 
 
@@ -43,16 +43,7 @@ class ModelArgs(BaseModelArgs):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
-        unknown = set(self.layer_types) - {"sliding_attention", "full_attention"}
-        if unknown:
-            raise ConfigError(f"unsupported layer_types {sorted(unknown)} (supported: sliding_attention, full_attention)")
-        if "sliding_attention" in self.layer_types and self.sliding_window is None:
-            raise ConfigError("layer_types has sliding_attention layers but the config has no sliding_window")
-
-    def is_sliding(self, layer: int) -> bool:
-        return self.layer_types[layer] == "sliding_attention"
+        check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
 
 
 class Attention(nn.Module):
