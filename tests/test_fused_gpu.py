@@ -240,6 +240,19 @@ def test_rotating_caches(prompt_len):
     assert mismatches == 0
 
 
+@gpu
+@pytest.mark.parametrize("prompt_len", [37, 200])
+def test_llama_sliding_attention_layers(prompt_len):
+    """A llama config whose ``layer_types`` marks "sliding_attention" layers (window 64) beside a full one, as
+    mlx-lm's llama reads it: the fused step reads each layer's own cache (a ring or a full one), before the
+    ring fills and after it wraps."""
+    model = make_model(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=64)
+    assert model_blocker(model) is None
+    worst, mismatches = compare_steps(model, prompt_len=prompt_len, steps=6)
+    assert worst < 5e-3, worst
+    assert mismatches == 0
+
+
 LAYER_CASES = {
     "llama-q4g64": (dict(), 37),
     "chunk-edge-255": (dict(), 255),
