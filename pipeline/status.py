@@ -231,7 +231,7 @@ def format_settings(st: dict) -> str | None:
         where = _run_numbers(g["runs"]) + (", --force" if g["forced"] else "")
         what = ("settings not recorded (an older manifest; --force changed them)" if g["fingerprint"] is None
                 else g["settings"] or "the same settings")
-        parts.append(f"{g['rows']} rows {what} ({where})")
+        parts.append(f"{g['rows']} row{'' if g['rows'] == 1 else 's'} {what} ({where})")
     return "settings: mixed — " + ", ".join(parts)
 
 
