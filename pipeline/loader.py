@@ -284,8 +284,8 @@ def load_model(spec: str = "smollm2-135m-instruct", *, dtype: str = "auto", dequ
 
     Raises:
         ModelResolveError, GGUFError, ModelDirError, TokenizerError, ConfigError, WeightsError: one line
-        naming the file and the key or tensor at fault (``check_tokenizer_size``: a tokenizer larger than the
-        embedding).
+        naming the file and the key or tensor at fault (``check_tokenizer_size``: a tokenizer vocabulary past
+        the embedding).
     """
     path = path or resolve_model(spec)
     g = read_model_dir(path) if path.is_dir() else read_gguf(path)
