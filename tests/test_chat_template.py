@@ -44,6 +44,16 @@ def row(messages) -> InputRow:
     return InputRow(index=0, id=0, prompt=None, messages=messages)
 
 
+def as_transformers(ours, theirs, messages) -> str:
+    """The text transformers renders for ``messages`` (generation prompt added), after asserting that ours
+    renders the same text and ``build_prompt`` gives the ids transformers' ``apply_chat_template`` gives."""
+    expected = hf_text(theirs, messages)
+    assert ours.apply_chat_template(messages) == expected
+    ids = build_prompt(row(messages), InputSpec(path="x", messages_column="m"), ours).token_ids
+    assert ids == theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    return expected
+
+
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
@@ -56,12 +66,8 @@ TOOLS_TEMPLATE = ("{%- if tools is not none %}<|im_start|>system\nYou can call: 
 
 
 def test_tools_and_documents_are_none(smol):
-    ours, theirs = with_template(smol, TOOLS_TEMPLATE)
-    expected = hf_text(theirs, MESSAGES)
+    expected = as_transformers(*with_template(smol, TOOLS_TEMPLATE), MESSAGES)
     assert "You can call" not in expected and "[docs]" not in expected
-    assert ours.apply_chat_template(MESSAGES) == expected
-    ids = build_prompt(row(MESSAGES), InputSpec(path="x", messages_column="m"), ours).token_ids
-    assert ids == theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
 
 
 # --- any exception the template's code raises while rendering fails the row, not the run ---------------
@@ -96,14 +102,9 @@ GENERATION_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
 
 
 def test_generation_block_renders_its_body(smol):
-    ours, theirs = with_template(smol, GENERATION_TEMPLATE)
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
                 {"role": "user", "content": "Bye"}]
-    expected = hf_text(theirs, messages)
-    assert "Hello!<|im_end|>" in expected
-    assert ours.apply_chat_template(messages) == expected
-    ids = build_prompt(row(messages), InputSpec(path="x", messages_column="m"), ours).token_ids
-    assert ids == theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert "Hello!<|im_end|>" in as_transformers(*with_template(smol, GENERATION_TEMPLATE), messages)
 
 
 # --- a message's reasoning under `thinking` or `reasoning` is `reasoning_content` too -----------------
