@@ -62,8 +62,9 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{dst}: exists and is not a directory; not replacing it")
     if dst.resolve() in src.resolve().parents:
         raise FileExistsError(f"{dst}: holds the source {src}; not replacing it")
-    cwd = Path.cwd().resolve()
-    if dst.resolve() == cwd or dst.resolve() in cwd.parents:
+    from .export import within
+
+    if within(Path.cwd(), dst):
         raise FileExistsError(f"{dst}: is the current directory or holds it; not replacing it")
     entries = list(dst.iterdir())
     ours = all(p.name in MODEL_DIR_FILES and p.is_file() and not p.is_symlink() for p in entries)

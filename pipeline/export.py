@@ -39,6 +39,11 @@ class ExportError(RuntimeError):
         self.exit_code = exit_code
 
 
+def within(path: Path, top: Path) -> bool:
+    """``path`` is directory ``top`` or below it (both resolved)."""
+    return path.resolve() == top.resolve() or top.resolve() in path.resolve().parents
+
+
 def file_in_the_way(path: Path) -> Path | None:
     """The nearest existing parent of ``path`` that is not a directory (a file where a directory must be),
     or None."""
@@ -237,7 +242,7 @@ def _is_saved_dataset(path: Path) -> bool:
 
 def _check_destination(out_dir: Path, to: Path, fmt: str, overwrite: bool) -> None:
     try:
-        if to.resolve() == out_dir.resolve() or out_dir.resolve() in to.resolve().parents:
+        if within(to, out_dir):
             raise ExportError(f"--to {to}: inside the output dir {out_dir} (its readers would see the export as "
                               "results); write it elsewhere")
         if to.resolve() in out_dir.resolve().parents:

@@ -16,6 +16,7 @@ from .. import __version__, outdir, shards
 from ..engine import GenerateParams
 from ..engine.sampler import row_seed
 from ..errors import RowError
+from ..export import within
 from ..inputs import InputRow, dataset_files, input_files, local_dataset
 from ..jobspec import CacheSpec, GenerationSpec, JobSpec, JobSpecError, structured_from_cell, with_overrides
 from ..loader import LoadedModel, model_identity
@@ -168,21 +169,16 @@ def check_output_apart(job: JobSpec, out_dir: str | Path) -> None:
     """
     out, dataset, path = Path(out_dir), local_dataset(job.input.dataset), job.input.path
     if dataset is not None:
-        key, name, inside = "input.dataset", job.input.dataset.name, _within(out, dataset)
+        key, name, inside = "input.dataset", job.input.dataset.name, within(out, dataset)
     elif path is not None:
         key, name = "input.path", path
-        inside = _within(out, Path(path)) if Path(path).is_dir() else \
+        inside = within(out, Path(path)) if Path(path).is_dir() else \
             any(_glob_matches(path, str(out / f)) for f in ("part-00000.parquet", shards.MANIFEST))
     else:
         return
     if inside:
         raise shards.OutputError(f"output.dir {str(out)!r} is inside what {key} {name!r} reads: a later run "
                                  f"would read its shards as input rows; write the output elsewhere")
-
-
-def _within(out: Path, top: Path) -> bool:
-    """``out`` is directory ``top`` or below it (paths resolved)."""
-    return out.resolve() == top.resolve() or top.resolve() in out.resolve().parents
 
 
 def job_fingerprint(job: JobSpec) -> dict:
