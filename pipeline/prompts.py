@@ -187,11 +187,10 @@ def _with_bos(tokenizer: Tokenizer, ids: list[int], templated: bool = False) -> 
     Raises:
         RowError: an id at or past ``tokenizer.id_limit`` (an added token the model has no embedding row for).
     """
-    limit = tokenizer.id_limit
-    if limit is not None and ids and max(ids) >= limit:
-        i = max(ids)
-        raise RowError(f"the prompt holds token {i} ({tokenizer.decode([i])!r}), past the model's vocabulary of "
-                       f"{limit} tokens (the embedding's rows)")
+    limit, top = tokenizer.id_limit, max(ids, default=-1)
+    if limit is not None and top >= limit:
+        raise RowError(f"the prompt holds token {top} ({tokenizer.decode([top])!r}), past the model's vocabulary "
+                       f"of {limit} tokens (the embedding's rows)")
     bos = tokenizer.bos_token_id
     if not tokenizer.add_bos_token or bos is None:
         return ids
