@@ -44,6 +44,10 @@ def _split_then_bytes(regex: str):
     )
 
 
+def _llama3_split():
+    return _split_then_bytes(_LLAMA3_REGEX)
+
+
 def _digits_then_gpt2():
     return pre_tokenizers.Sequence(
         [
@@ -59,9 +63,9 @@ _PRE_TOKENIZERS = {
     "smollm": (_digits_then_gpt2, False),
     "starcoder": (_digits_then_gpt2, False),
     "refact": (_digits_then_gpt2, False),
-    "llama-bpe": (lambda: _split_then_bytes(_LLAMA3_REGEX), True),
-    "llama3": (lambda: _split_then_bytes(_LLAMA3_REGEX), True),
-    "llama-v3": (lambda: _split_then_bytes(_LLAMA3_REGEX), True),
+    "llama-bpe": (_llama3_split, True),
+    "llama3": (_llama3_split, True),  # llama.cpp's other names of llama-bpe
+    "llama-v3": (_llama3_split, True),
     "qwen2": (lambda: _split_then_bytes(_QWEN2_REGEX), False),
 }
 
